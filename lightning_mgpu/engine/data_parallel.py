@@ -1,0 +1,119 @@
+"""Scatter, replicate, parallel apply, gather: one data-parallel call of a module method."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_mgpu.engine.gather import gather
+from lightning_mgpu.engine.parallel_apply import ContextFactory, ParallelApply
+from lightning_mgpu.engine.replicate import replicate
+from lightning_mgpu.engine.scatter import scatter
+from lightning_mgpu.errors import ConfigurationError
+
+PrepareReplica = Callable[[nn.Module, int, int, torch.device], None]
+
+
+class ReplicaOutputs:
+    """What the replicas of one call returned, before gathering.
+
+    Attributes:
+        outputs: one output per replica, in batch order.
+        sizes: the number of batch rows each replica received.
+        replicas: the replica modules, so callers can read what the replicas recorded.
+    """
+
+    def __init__(self, outputs: list[Any], sizes: list[int], replicas: list[nn.Module]) -> None:
+        self.outputs = outputs
+        self.sizes = sizes
+        self.replicas = replicas
+
+
+class DataParallel(nn.Module):
+    """Single-process data parallelism over any devices, the CPU and repeated devices included.
+
+    ``torch.nn.DataParallel`` needs distinct CUDA devices; this wrapper runs the same algorithm with replicas whose
+    parameters alias the originals where a device repeats, so a model can be checked for data-parallel problems on
+    a laptop. Attribute access falls through to the wrapped module; calling the wrapper runs ``forward`` in
+    parallel.
+
+    Args:
+        module: the module to replicate; it must live on ``devices[0]``.
+        devices: one entry per replica; the first is the root device that outputs are gathered on.
+    """
+
+    def __init__(self, module: nn.Module, devices: Sequence[torch.device]) -> None:
+        super().__init__()
+        if not devices:
+            raise ConfigurationError("DataParallel needs at least one device; pass devices=[torch.device('cpu')].")
+        self.module = module
+        self.devices = [torch.device(device) for device in devices]
+        self._apply_in_threads = ParallelApply(len(self.devices))
+
+    @property
+    def root_device(self) -> torch.device:
+        """The device that batches arrive on and outputs are gathered on."""
+        return self.devices[0]
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Split the first input along dim 0, run ``module.forward`` per chunk, gather the outputs."""
+        replica_outputs = self.run("forward", inputs[0], inputs[1:], kwargs)
+        return gather(replica_outputs.outputs, self.root_device)
+
+    def run(
+        self,
+        method: str,
+        batch: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        context: ContextFactory | None = None,
+        prepare_replica: PrepareReplica | None = None,
+    ) -> ReplicaOutputs:
+        """Call ``replica.<method>(chunk, *args, **kwargs)`` on every replica in parallel.
+
+        Args:
+            method: the name of the module method to call (``"forward"``, ``"training_step"``, ...).
+            batch: split along dim 0, one chunk per replica; only it is split, ``args`` and ``kwargs`` reach every
+                replica whole.
+            args: further positional arguments, given to every replica.
+            kwargs: keyword arguments, given to every replica.
+            context: entered in each replica thread around the call, as ``context(index, device)``.
+            prepare_replica: called as ``prepare_replica(replica, index, num_replicas, device)`` before the call,
+                in the calling thread.
+        """
+        chunks, sizes = scatter(batch, self.devices)
+        devices = self.devices[: len(chunks)]
+        replicas = replicate(self.module, devices)
+        if prepare_replica is not None:
+            for index, (replica, device) in enumerate(zip(replicas, devices, strict=True)):
+                prepare_replica(replica, index, len(replicas), device)
+        extra_kwargs = kwargs or {}
+        calls = [
+            _bind(getattr(replica, method), chunk, args, extra_kwargs)
+            for replica, chunk in zip(replicas, chunks, strict=True)
+        ]
+        outputs = self._apply_in_threads(calls, devices, context)
+        return ReplicaOutputs(outputs, sizes, replicas)
+
+    def close(self) -> None:
+        """Stop the replica threads."""
+        self._apply_in_threads.close()
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            modules = self.__dict__.get("_modules", {})
+            if "module" not in modules:
+                raise
+            return getattr(modules["module"], name)
+
+
+def _bind(function: Callable[..., Any], chunk: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Callable[[], Any]:
+    def call() -> Any:
+        return function(chunk, *args, **kwargs)
+
+    return call

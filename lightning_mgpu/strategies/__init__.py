@@ -1,0 +1,5 @@
+"""The lightning_mgpu strategies, one per file."""
+
+from lightning_mgpu.strategies.dp import DataParallelStrategy
+
+__all__ = ["DataParallelStrategy"]

@@ -1,0 +1,88 @@
+"""``self.log`` inside replicas: recorded per replica, combined across replicas, logged once from the main thread.
+
+Lightning's result collection is not thread-safe and knows nothing of replicas, so replicas never touch it: each
+replica's ``log`` only records, and after the step the values of each name are combined (mean weighted by the rows
+each replica saw, or the ``reduce_fx`` the user chose) and handed to the real ``LightningModule.log``.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torchmetrics import Metric
+
+from lightning_mgpu.engine.reduce import weighted_mean
+
+
+class ReplicaLog:
+    """Stands in for ``LightningModule.log`` on one replica; ``log_dict`` reaches it through ``self.log``."""
+
+    def __init__(self, index: int, rows: int) -> None:
+        self.index = index
+        self.rows = rows
+        self.records: list[tuple[str, Any, dict[str, Any]]] = []
+
+    def __call__(self, name: str, value: Any, **kwargs: Any) -> None:
+        if isinstance(value, Metric):
+            raise TypeError(
+                f"self.log({name!r}, <{type(value).__name__}>) was called inside replica {self.index}. Under mgpu_dp"
+                " each replica updates a private copy of a torchmetrics Metric, so its state would be lost. Update"
+                " and log the metric in the matching *_step_end hook, on the gathered outputs."
+            )
+        if not isinstance(value, (torch.Tensor, numbers.Number)):
+            raise TypeError(
+                f"self.log({name!r}, ...) got a {type(value).__name__} in replica {self.index}; log a number or a"
+                " scalar tensor, or use self.log_dict for a dict."
+            )
+        if isinstance(value, torch.Tensor) and value.numel() != 1:
+            raise ValueError(
+                f"self.log({name!r}, ...) got a tensor of shape {tuple(value.shape)} in replica {self.index}; log a"
+                " scalar (reduce it in the step), or log per-sample values from the *_step_end hook."
+            )
+        self.records.append((name, value, kwargs))
+
+
+def replay(logs: Sequence[ReplicaLog], module: pl.LightningModule, device: torch.device) -> None:
+    """Log every recorded name once on ``module``, with its values combined across the replicas that logged it."""
+    by_name: dict[str, list[tuple[ReplicaLog, Any, dict[str, Any]]]] = {}
+    for log in logs:
+        for name, value, kwargs in log.records:
+            by_name.setdefault(name, []).append((log, value, kwargs))
+    for name, entries in by_name.items():
+        kwargs = dict(entries[0][2])
+        weights = _weights(entries)
+        if kwargs.get("batch_size") is not None:
+            kwargs["batch_size"] = int(sum(weights))
+        values = torch.stack([_as_tensor(value, device) for _, value, _ in entries])
+        module.log(name, _combine(values, weights, kwargs.get("reduce_fx", "mean")), **kwargs)
+
+
+def _as_tensor(value: Any, device: torch.device) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.to(device).reshape(())
+    # Like LightningModule.log: Python numbers become tensors of the default dtype.
+    return torch.tensor(value, dtype=torch.get_default_dtype(), device=device)
+
+
+def _weights(entries: list[tuple[ReplicaLog, Any, dict[str, Any]]]) -> list[float]:
+    """The ``batch_size`` each replica passed to ``self.log``, or else the rows each replica received."""
+    given = [kwargs.get("batch_size") for _, _, kwargs in entries]
+    if all(size is not None for size in given):
+        return [float(size) for size in given]  # type: ignore[arg-type]
+    return [float(log.rows) for log, _, _ in entries]
+
+
+def _combine(values: torch.Tensor, weights: Sequence[float], reduce_fx: Any) -> torch.Tensor:
+    if reduce_fx in ("sum", torch.sum):
+        return values.sum()
+    if reduce_fx in ("max", torch.max):
+        return values.max()
+    if reduce_fx in ("min", torch.min):
+        return values.min()
+    if callable(reduce_fx) and reduce_fx is not torch.mean:
+        return reduce_fx(values)
+    return weighted_mean(values, weights)

@@ -1,0 +1,277 @@
+"""``mgpu_dp``: single-process data parallelism for Lightning 2.x, with the ``*_step_end`` hooks of 1.x."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from torch import nn
+from typing_extensions import override
+
+from lightning_mgpu.engine import DataParallel, ReplicaOutputs, gather, weighted_mean
+from lightning_mgpu.errors import ConfigurationError
+from lightning_mgpu.hooks import call_step_end, has_step_end
+from lightning_mgpu.strategies._replica_log import ReplicaLog, replay
+
+
+class DataParallelStrategy(ParallelStrategy):
+    """Split each batch across devices in one process and run the step of one replica per device in threads.
+
+    The successor of Lightning 1.x's ``strategy="dp"``. Each step the batch is split along dim 0, the
+    LightningModule is replicated onto the devices, every replica runs the current step (``training_step``,
+    ``validation_step``, ``test_step``, ``predict_step``) on its chunk in its own thread, and the outputs are
+    gathered on the root device in batch order. A ``*_step_end`` hook on the LightningModule then receives the
+    gathered output; that is where the loss and batch-wise reductions belong. Without ``training_step_end`` the
+    replicas' losses are averaged weighted by their chunk sizes, which equals the single-device loss.
+
+    On CPU, or where a device repeats, replicas alias the original parameters, so
+    ``Trainer(accelerator="cpu", devices=2, strategy="mgpu_dp")`` runs two real replicas in two threads.
+
+    Args:
+        accelerator: the accelerator; Lightning sets it from ``Trainer(accelerator=...)`` when left ``None``.
+        parallel_devices: the devices to replicate onto, the first being the root device; Lightning sets them
+            from ``Trainer(devices=...)`` when left ``None``.
+        checkpoint_io: how checkpoints are written and read; Lightning's default when ``None``.
+        precision_plugin: the precision plugin; its autocast context is entered in every replica thread.
+    """
+
+    strategy_name = "mgpu_dp"
+
+    def __init__(
+        self,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=None,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._num_nodes = 1
+
+    @property
+    @override
+    def parallel_devices(self) -> list[torch.device] | None:
+        return self._parallel_devices
+
+    @parallel_devices.setter
+    def parallel_devices(self, parallel_devices: list[torch.device] | None) -> None:
+        if parallel_devices:
+            _check_devices_exist(parallel_devices)
+        self._parallel_devices = parallel_devices
+
+    @property
+    def num_nodes(self) -> int:
+        """Always 1: one process drives every device, so the replicas cannot span machines."""
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        if num_nodes != 1:
+            raise ConfigurationError(
+                f"strategy='mgpu_dp' runs in one process on one machine, but num_nodes={num_nodes} was requested."
+                " Use strategy='mgpu_ddp' to train on several machines, or set num_nodes=1."
+            )
+        self._num_nodes = num_nodes
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        if not self.parallel_devices:
+            raise ConfigurationError("DataParallelStrategy has no devices yet; pass it to a Trainer first.")
+        return self.parallel_devices[0]
+
+    @property
+    def num_replicas(self) -> int:
+        """The most replicas a step runs (fewer when a batch has fewer rows)."""
+        return len(self.parallel_devices or [])
+
+    @property
+    @override
+    def global_rank(self) -> int:
+        return 0
+
+    @property
+    @override
+    def local_rank(self) -> int:
+        return 0
+
+    @property
+    @override
+    def node_rank(self) -> int:
+        return 0
+
+    @property
+    @override
+    def world_size(self) -> int:
+        return 1
+
+    @property
+    def is_distributed(self) -> bool:
+        """One process: Lightning must not add a DistributedSampler."""
+        return False
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": 1, "rank": 0}
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        module = self.lightning_module
+        assert module is not None
+        # Outside the replicas the module is "replica 0 of 1", so code that reads these runs anywhere.
+        setattr(module, "replica_index", 0)  # noqa: B010
+        setattr(module, "num_replicas", 1)  # noqa: B010
+        super().setup(trainer)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @override
+    def _setup_model(self, model: nn.Module) -> DataParallel:
+        assert self.parallel_devices is not None
+        if isinstance(model, DataParallel):
+            return model
+        return DataParallel(model, self.parallel_devices)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._parallel_step("training_step", self.precision_plugin.train_step_context, args, kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._parallel_step("validation_step", self.precision_plugin.val_step_context, args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._parallel_step("test_step", self.precision_plugin.test_step_context, args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._parallel_step("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+        """One process holds every value already, so there is nothing to reduce across processes."""
+        return tensor
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        """Nothing to wait for in one process."""
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        return obj
+
+    @override
+    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
+        return tensor
+
+    @override
+    def teardown(self) -> None:
+        if isinstance(self.model, DataParallel):
+            self.model.close()
+            self.model = self.lightning_module
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(cls.strategy_name, cls, description=cls.__name__, override=True)
+
+    def _parallel_step(
+        self,
+        step: str,
+        precision_context: Callable[[], AbstractContextManager[Any]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        module = self.lightning_module
+        wrapper = self.model
+        assert module is not None
+        if not isinstance(wrapper, DataParallel):
+            raise ConfigurationError(f"{step} was called before the mgpu_dp strategy was set up by a Trainer.")
+        if not args:
+            raise ConfigurationError(f"mgpu_dp needs the batch as the first positional argument of {step}.")
+        logs: list[ReplicaLog] = []
+
+        def prepare(replica: nn.Module, index: int, num_replicas: int, device: torch.device) -> None:
+            logs.append(_prepare_replica(replica, index, num_replicas, device))
+
+        replica_outputs = wrapper.run(
+            step, args[0], args[1:], kwargs, context=lambda index, device: precision_context(), prepare_replica=prepare
+        )
+        for log, rows in zip(logs, replica_outputs.sizes, strict=True):
+            log.rows = rows
+        replay(logs, module, self.root_device)
+        gathered = gather(replica_outputs.outputs, self.root_device)
+        if has_step_end(module, step):
+            return call_step_end(module, step, gathered)
+        if step == "predict_step":
+            return gathered
+        return _reduce_loss(replica_outputs, gathered, self.root_device)
+
+
+def _prepare_replica(replica: nn.Module, index: int, num_replicas: int, device: torch.device) -> ReplicaLog:
+    setattr(replica, "replica_index", index)  # noqa: B010 - nn.Module's typed __setattr__ rejects an int
+    setattr(replica, "num_replicas", num_replicas)  # noqa: B010
+    for submodule in replica.modules():
+        if "_device" in vars(submodule):
+            # ``LightningModule.device`` reads the private ``_device`` of Lightning's DeviceDtypeModuleMixin; a
+            # replica's copy must name the replica's device. The only write to it; tests/test_dp.py checks it.
+            setattr(submodule, "_device", device)  # noqa: B010
+    setattr(replica, "manual_backward", _refuse_manual_backward)  # noqa: B010
+    log = ReplicaLog(index, rows=0)
+    setattr(replica, "log", log)  # noqa: B010 - an instance attribute shadows LightningModule.log
+    return log
+
+
+def _refuse_manual_backward(*args: Any, **kwargs: Any) -> None:
+    raise RuntimeError(
+        "self.manual_backward() was called inside a replica under mgpu_dp. Each replica sees only its chunk, so"
+        " its backward would weigh the chunks wrongly. Return the per-sample values (or the chunk loss) from"
+        " training_step and call self.manual_backward() on the combined loss in training_step_end."
+    )
+
+
+def _reduce_loss(replica_outputs: ReplicaOutputs, gathered: Any, device: torch.device) -> Any:
+    """Without a ``*_step_end`` hook, combine per-replica scalar losses into the single-device loss."""
+    outputs = replica_outputs.outputs
+    sizes = replica_outputs.sizes
+    if all(isinstance(output, torch.Tensor) and output.dim() == 0 for output in outputs):
+        return weighted_mean(gathered, sizes)
+    if all(isinstance(output, dict) and _is_scalar(output.get("loss")) for output in outputs):
+        gathered["loss"] = weighted_mean(gathered["loss"], sizes)
+    return gathered
+
+
+def _is_scalar(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 0
+
+
+def _check_devices_exist(devices: list[torch.device]) -> None:
+    cuda_indices = [device.index or 0 for device in devices if device.type == "cuda"]
+    if not cuda_indices:
+        return
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    missing = sorted({index for index in cuda_indices if index >= available})
+    if missing:
+        raise ConfigurationError(
+            f"mgpu_dp was asked for CUDA devices {sorted(set(cuda_indices))}, but this machine has {available}"
+            f" CUDA device(s), so {missing} do not exist. Ask for at most devices={available}, or use"
+            " accelerator='cpu' to run virtual replicas on the CPU."
+        )

@@ -1,0 +1,113 @@
+"""Small LightningModules and data shared by the tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def regression_data(rows: int = 20, features: int = 4, seed: int = 0) -> TensorDataset:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, features, generator=generator)
+    y = x @ torch.randn(features, 1, generator=generator) + 0.1 * torch.randn(rows, 1, generator=generator)
+    return TensorDataset(x, y)
+
+
+def loader(dataset: TensorDataset, batch_size: int) -> DataLoader:
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False)
+
+
+class Regressor(L.LightningModule):
+    """Returns the scalar mean loss from each replica: the default weighted-mean reduction applies."""
+
+    def __init__(self, features: int = 4, lr: float = 0.1) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(1)
+        self.net = nn.Sequential(nn.Linear(features, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("val_loss", loss)
+        return loss
+
+    def test_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("test_loss", loss)
+        return loss
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+
+
+class StepEndRegressor(Regressor):
+    """Returns per-sample errors from the replicas and reduces them in the ``*_step_end`` hooks, as 1.x DP code did."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        x, y = batch
+        return {"errors": (self(x) - y).pow(2).squeeze(1), "rows": torch.tensor(x.shape[0])}
+
+    def training_step_end(self, step_output: dict[str, torch.Tensor]) -> torch.Tensor:
+        loss = step_output["errors"].mean()
+        self.log("train_loss", loss)
+        self.log("rows_seen", step_output["rows"].sum().float(), reduce_fx="sum", on_epoch=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return (self(x) - y).pow(2).squeeze(1)
+
+    def validation_step_end(self, errors: torch.Tensor) -> None:
+        self.log("val_loss", errors.mean(), prog_bar=True)
+
+    def test_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return (self(x) - y).pow(2).squeeze(1)
+
+    def test_step_end(self, errors: torch.Tensor) -> None:
+        self.log("test_loss", errors.mean())
+
+
+def trainer(tmp_path: Any = None, **overrides: Any) -> L.Trainer:
+    settings: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_epochs": 1,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+    }
+    if tmp_path is not None:
+        settings["default_root_dir"] = str(tmp_path)
+    settings.update(overrides)
+    return L.Trainer(**settings)
+
+
+def parameters(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}
+
+
+def assert_same_parameters(left: dict[str, torch.Tensor], right: dict[str, torch.Tensor], atol: float = 1e-6) -> None:
+    assert left.keys() == right.keys()
+    for name in left:
+        torch.testing.assert_close(left[name], right[name], atol=atol, rtol=0, msg=f"parameter {name} differs")

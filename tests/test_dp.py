@@ -1,0 +1,420 @@
+"""mgpu_dp with virtual replicas on the CPU must train, evaluate and predict exactly like one device."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from models import (
+    Regressor,
+    StepEndRegressor,
+    assert_same_parameters,
+    loader,
+    parameters,
+    regression_data,
+    trainer,
+)
+
+import lightning_mgpu
+from lightning_mgpu import DataParallelStrategy
+
+
+def _fit(
+    model: L.LightningModule, batch_size: int, ckpt_path: str | None = None, val: bool = False, **trainer_kwargs: Any
+) -> L.Trainer:
+    fit_trainer = trainer(**trainer_kwargs)
+    val_loader = loader(regression_data(rows=7, seed=3), 3) if val else None
+    fit_trainer.fit(model, loader(regression_data(), batch_size), val_loader, ckpt_path=ckpt_path)
+    return fit_trainer
+
+
+@pytest.mark.parametrize("model_class", [Regressor, StepEndRegressor])
+@pytest.mark.parametrize(
+    ("devices", "batch_size"),
+    [(2, 4), (2, 5), (3, 5), (4, 3)],
+    ids=["even-2x2", "uneven-3+2", "uneven-2+2+1", "fewer-rows-than-devices"],
+)
+@pytest.mark.parametrize("strategy", ["mgpu_dp", "instance"])
+def test_parameters_match_single_device(model_class: type, devices: int, batch_size: int, strategy: str) -> None:
+    single = Regressor()  # computes in training_step what StepEndRegressor computes in training_step_end
+    _fit(single, batch_size, max_epochs=2)
+    parallel = model_class()
+    chosen = DataParallelStrategy() if strategy == "instance" else strategy
+    _fit(parallel, batch_size, max_epochs=2, devices=devices, strategy=chosen)
+    assert_same_parameters(parameters(single), parameters(parallel))
+    assert not torch.equal(parameters(single)["net.0.weight"], parameters(Regressor())["net.0.weight"])
+
+
+def test_replicas_run_in_their_own_threads_with_their_index() -> None:
+    seen: list[tuple[int, int, str, torch.device]] = []
+
+    class Recorder(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            seen.append((self.replica_index, self.num_replicas, threading.current_thread().name, self.device))
+            assert list(self.parameters()) == [], "replicas own no parameters, as on GPUs"
+            return super().training_step(batch, batch_idx)
+
+    _fit(Recorder(), 10, devices=2, strategy="mgpu_dp", max_steps=1)
+    assert sorted(entry[:2] for entry in seen) == [(0, 2), (1, 2)]
+    assert len({entry[2] for entry in seen}) == 2
+    assert threading.current_thread().name not in {entry[2] for entry in seen}
+    assert {entry[3] for entry in seen} == {torch.device("cpu")}
+
+
+def test_outside_replicas_the_module_is_replica_0_of_1() -> None:
+    seen: list[tuple[int, int]] = []
+
+    class Recorder(StepEndRegressor):
+        def training_step_end(self, step_output: dict[str, torch.Tensor]) -> torch.Tensor:
+            seen.append((self.replica_index, self.num_replicas))
+            return super().training_step_end(step_output)
+
+    _fit(Recorder(), 10, devices=2, strategy="mgpu_dp", max_steps=1)
+    assert seen == [(0, 1)]
+
+
+def test_gathered_output_keeps_replica_order_and_dtype() -> None:
+    gathered: list[Any] = []
+
+    class Indexed(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+            x, y = batch
+            return {
+                "loss": torch.nn.functional.mse_loss(self(x), y),
+                "index": torch.tensor(self.replica_index),
+                "number": self.replica_index,
+                "rows": x[:, 0],
+                "nothing": None,
+            }
+
+        def training_step_end(self, step_output: dict[str, Any]) -> torch.Tensor:
+            gathered.append(step_output)
+            return step_output["loss"].mean()
+
+    data = regression_data()
+    _fit(Indexed(), 5, devices=2, strategy="mgpu_dp", max_steps=1)
+    output = gathered[0]
+    assert torch.equal(output["index"], torch.tensor([0, 1]))
+    assert output["index"].dtype == torch.int64
+    assert torch.equal(output["number"], torch.tensor([0, 1]))
+    assert output["loss"].shape == (2,)
+    torch.testing.assert_close(output["rows"], data.tensors[0][:5, 0])
+    assert output["nothing"] is None
+
+
+def test_default_loss_is_weighted_by_chunk_size() -> None:
+    losses: dict[str, torch.Tensor] = {}
+
+    class Capture(L.Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, *args: Any) -> None:
+            losses[trainer.strategy.__class__.__name__] = outputs["loss"].detach()
+
+    _fit(Regressor(), 5, max_steps=1, callbacks=[Capture()])
+    _fit(Regressor(), 5, devices=2, strategy="mgpu_dp", max_steps=1, callbacks=[Capture()])
+    assert losses["DataParallelStrategy"].shape == ()
+    torch.testing.assert_close(losses["DataParallelStrategy"], losses["SingleDeviceStrategy"], atol=1e-6, rtol=0)
+    x, y = regression_data().tensors
+    with torch.no_grad():
+        model = Regressor()
+        chunk_losses = [torch.nn.functional.mse_loss(model(x[rows]), y[rows]) for rows in (slice(0, 3), slice(3, 5))]
+    plain_mean = torch.stack(chunk_losses).mean()
+    assert abs(plain_mean - losses["SingleDeviceStrategy"]) > 1e-3, "the uneven split must make a plain mean wrong"
+
+
+def test_logging_from_replicas_and_step_end_matches_single_device() -> None:
+    single = _fit(Regressor(), 5)
+    parallel = _fit(Regressor(), 5, devices=2, strategy="mgpu_dp")
+    torch.testing.assert_close(
+        parallel.callback_metrics["train_loss"], single.callback_metrics["train_loss"], atol=1e-6, rtol=0
+    )
+    step_end = _fit(StepEndRegressor(), 5, devices=2, strategy="mgpu_dp", max_steps=2)
+    assert step_end.callback_metrics["rows_seen"].item() == pytest.approx(10.0)
+
+
+def test_log_reduce_fx_combines_across_replicas() -> None:
+    class Logs(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.log("largest_index", float(self.replica_index), reduce_fx="max", on_step=True, on_epoch=False)
+            self.log("rows", float(batch[0].shape[0]), reduce_fx="sum", on_step=True, on_epoch=False)
+            self.log_dict({"index_mean": float(self.replica_index)}, on_step=True, on_epoch=False)
+            return super().training_step(batch, batch_idx)
+
+    fitted = _fit(Logs(), 5, devices=2, strategy="mgpu_dp", max_steps=1)
+    metrics = fitted.callback_metrics
+    assert metrics["largest_index"].item() == 1.0
+    assert metrics["rows"].item() == 5.0
+    assert metrics["index_mean"].item() == pytest.approx(2 / 5)
+
+
+def test_logging_a_metric_object_from_a_replica_explains_the_fix() -> None:
+    import torchmetrics
+
+    class MetricInReplica(Regressor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mse = torchmetrics.MeanSquaredError()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.mse(self(batch[0]), batch[1])
+            self.log("mse", self.mse)
+            return super().training_step(batch, batch_idx)
+
+    with pytest.raises(TypeError, match=r"inside replica \d.*\*_step_end"):
+        _fit(MetricInReplica(), 5, devices=2, strategy="mgpu_dp", max_steps=1)
+
+
+def test_validate_and_test_with_step_end_match_single_device() -> None:
+    data = loader(regression_data(), 5)
+    for name, run in [("val_loss", "validate"), ("test_loss", "test")]:
+        expected = getattr(trainer(), run)(Regressor(), data, verbose=False)[0][name]
+        parallel = trainer(devices=2, strategy="mgpu_dp")
+        got = getattr(parallel, run)(StepEndRegressor(), data, verbose=False)[0][name]
+        assert got == pytest.approx(expected, abs=1e-6)
+        parallel = trainer(devices=2, strategy="mgpu_dp")
+        default = getattr(parallel, run)(Regressor(), data, verbose=False)[0][name]
+        assert default == pytest.approx(expected, abs=1e-6)
+
+
+def test_predict_returns_every_row_in_order() -> None:
+    model = Regressor()
+    data = regression_data(rows=11)
+    predictions = trainer(devices=3, strategy="mgpu_dp").predict(model, loader(data, 4))
+    assert [prediction.shape[0] for prediction in predictions] == [4, 4, 3]
+    with torch.no_grad():
+        expected = model(data.tensors[0])
+    torch.testing.assert_close(torch.cat(predictions), expected, atol=1e-6, rtol=0)
+
+
+def test_predict_step_end_gets_the_gathered_rows() -> None:
+    class Rounded(Regressor):
+        def predict_step_end(self, predictions: torch.Tensor) -> dict[str, Any]:
+            return {"rows": predictions.shape[0]}
+
+    predictions = trainer(devices=2, strategy="mgpu_dp").predict(Rounded(), loader(regression_data(rows=7), 7))
+    assert predictions == [{"rows": 7}]
+
+
+def test_early_stopping_on_a_metric_logged_in_validation_step_end() -> None:
+    class Worsening(StepEndRegressor):
+        def validation_step_end(self, errors: torch.Tensor) -> None:
+            self.log("val_loss", errors.mean() * 0 + float(self.current_epoch), prog_bar=True)
+
+    stopper = EarlyStopping(monitor="val_loss", patience=1, mode="min")
+    fitted = _fit(Worsening(), 5, val=True, devices=2, strategy="mgpu_dp", max_epochs=10, callbacks=[stopper])
+    assert fitted.current_epoch == 2
+    assert stopper.stopped_epoch == 1
+
+
+def test_fit_with_validation_dataloader_logs_validation_from_step_end() -> None:
+    model = StepEndRegressor()
+    fitted = trainer(devices=2, strategy="mgpu_dp", max_epochs=1)
+    fitted.fit(model, loader(regression_data(), 5), loader(regression_data(rows=7, seed=3), 3))
+    single = trainer().validate(Regressor(), loader(regression_data(rows=7, seed=3), 3), verbose=False)
+    assert "val_loss" in fitted.callback_metrics
+    fresh = trainer(devices=2, strategy="mgpu_dp").validate(
+        model, loader(regression_data(rows=7, seed=3), 3), verbose=False
+    )
+    assert fresh[0]["val_loss"] == pytest.approx(fitted.callback_metrics["val_loss"].item(), abs=1e-6)
+    assert single[0]["val_loss"] != pytest.approx(fresh[0]["val_loss"], abs=1e-6), "fit must have changed the model"
+
+
+def test_checkpoint_holds_plain_state_dict_and_resumes(tmp_path: Any) -> None:
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, filename="last", save_last=False)
+    model = StepEndRegressor()
+    fitted = _fit(model, 5, devices=2, strategy="mgpu_dp", enable_checkpointing=True, callbacks=[checkpoint])
+    assert fitted.model is model, "the model is unwrapped after fit"
+    path = tmp_path / "last.ckpt"
+    saved = torch.load(path, weights_only=False)
+    assert set(saved["state_dict"]) == set(model.state_dict())
+    assert not any(key.startswith("module.") for key in saved["state_dict"])
+
+    loaded = StepEndRegressor.load_from_checkpoint(path)
+    assert_same_parameters(parameters(loaded), parameters(model))
+    bare = Regressor()
+    bare.load_state_dict(saved["state_dict"])
+    assert_same_parameters(parameters(bare), parameters(model))
+
+    resumed_dp = StepEndRegressor()
+    _fit(resumed_dp, 5, devices=2, strategy="mgpu_dp", max_epochs=2, ckpt_path=str(path))
+    resumed_single = Regressor()
+    _fit(resumed_single, 5, max_epochs=2, ckpt_path=str(path))
+    straight = Regressor()
+    _fit(straight, 5, max_epochs=2)
+    assert_same_parameters(parameters(resumed_dp), parameters(straight))
+    assert_same_parameters(parameters(resumed_single), parameters(straight))
+
+
+def test_estimated_stepping_batches_is_not_divided_by_devices() -> None:
+    counts: list[int] = []
+
+    class Count(L.Callback):
+        def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+            counts.append(trainer.estimated_stepping_batches)
+
+    _fit(Regressor(), 5, max_epochs=3, devices=2, strategy="mgpu_dp", callbacks=[Count()], limit_train_batches=2)
+    _fit(Regressor(), 5, max_epochs=3, devices=1, callbacks=[Count()], limit_train_batches=2)
+    assert counts == [6, 6]
+
+
+def test_no_distributed_sampler_and_world_size_one() -> None:
+    samplers: list[Any] = []
+
+    class Inspect(L.Callback):
+        def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+            samplers.append(type(trainer.train_dataloader.sampler).__name__)
+            samplers.append(trainer.world_size)
+            samplers.append(trainer.num_devices)
+
+    _fit(Regressor(), 5, devices=2, strategy="mgpu_dp", max_steps=1, callbacks=[Inspect()])
+    assert samplers == ["SequentialSampler", 1, 2]
+
+
+def test_autocast_is_active_in_every_replica_thread() -> None:
+    seen: list[tuple[bool, torch.dtype, torch.dtype]] = []
+
+    class Mixed(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            output = self(batch[0])
+            seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), output.dtype))
+            return torch.nn.functional.mse_loss(output.float(), batch[1])
+
+    _fit(Mixed(), 6, devices=3, strategy="mgpu_dp", max_steps=1, precision="bf16-mixed")
+    assert seen == [(True, torch.bfloat16, torch.bfloat16)] * 3
+
+
+def test_grad_mode_follows_the_loop_in_replicas() -> None:
+    seen: dict[str, set[bool]] = {"train": set(), "val": set()}
+
+    class Modes(StepEndRegressor):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            seen["train"].add(torch.is_grad_enabled())
+            return super().training_step(batch, batch_idx)
+
+        def validation_step(self, batch: Any, batch_idx: int) -> Any:
+            seen["val"].add(torch.is_grad_enabled())
+            return super().validation_step(batch, batch_idx)
+
+    model = Modes()
+    fitted = trainer(devices=2, strategy="mgpu_dp", max_epochs=1, limit_train_batches=1, limit_val_batches=1)
+    fitted.fit(model, loader(regression_data(), 4), loader(regression_data(), 4))
+    assert seen == {"train": {True}, "val": {False}}
+
+
+def test_a_failing_replica_reraises_with_its_index_and_traceback() -> None:
+    class Fails(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if self.replica_index == 1:
+                raise ValueError("boom in the step")
+            return super().training_step(batch, batch_idx)
+
+    with pytest.raises(ValueError, match="boom in the step") as caught:
+        _fit(Fails(), 4, devices=2, strategy="mgpu_dp", max_steps=1)
+    assert any("replica 1 of 2 on cpu" in note for note in caught.value.__notes__)
+    frames = [entry.name for entry in caught.traceback]
+    assert "training_step" in frames
+
+
+def test_num_nodes_above_one_is_refused_early() -> None:
+    with pytest.raises(lightning_mgpu.ConfigurationError, match=r"num_nodes=2.*mgpu_ddp"):
+        trainer(devices=2, strategy="mgpu_dp", num_nodes=2)
+
+
+def test_batch_tensors_that_disagree_on_dim_0_are_refused() -> None:
+    class Mismatched(Regressor):
+        def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+            x, y = batch
+            return x, y[:-1]
+
+    with pytest.raises(lightning_mgpu.BatchSplitError, match=r"batch\[0\]: 5, batch\[1\]: 4"):
+        _fit(Mismatched(), 5, devices=2, strategy="mgpu_dp", max_steps=1)
+
+
+def test_more_cuda_devices_than_the_machine_has_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    devices = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    with pytest.raises(lightning_mgpu.ConfigurationError, match=r"has 1 CUDA device\(s\), so \[1\] do not exist"):
+        DataParallelStrategy(parallel_devices=devices)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(lightning_mgpu.ConfigurationError, match=r"has 0 CUDA device\(s\).*accelerator='cpu'"):
+        DataParallelStrategy(parallel_devices=devices)
+
+
+def test_the_lightning_device_attribute_shim_sets_the_replica_device() -> None:
+    from lightning_mgpu.engine import replicate
+    from lightning_mgpu.strategies.dp import _prepare_replica
+
+    model = Regressor()
+    replica = replicate(model, [torch.device("cpu")])[0]
+    _prepare_replica(replica, 0, 1, torch.device("meta"))
+    assert replica.device == torch.device("meta")
+    assert model.device == torch.device("cpu")
+
+
+def test_log_batch_size_from_replicas_weights_and_sums() -> None:
+    class Weighted(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            rows = batch[0].shape[0]
+            # Pretend replica 0 saw 1 real sample and replica 1 saw 3: the mean must follow those weights.
+            self.log("weighted", float(self.replica_index), batch_size=1 + 2 * self.replica_index, on_epoch=True)
+            self.log("plain", torch.tensor(float(rows)), on_epoch=True)
+            return super().training_step(batch, batch_idx)
+
+    metrics = _fit(Weighted(), 4, devices=2, strategy="mgpu_dp", max_steps=1).callback_metrics
+    assert metrics["weighted"].item() == pytest.approx(3 / 4)
+    assert metrics["weighted"].dtype == torch.float32
+    assert metrics["plain"].item() == pytest.approx(2.0)
+
+
+def test_manual_backward_inside_a_replica_is_refused_with_the_fix() -> None:
+    class Manual(Regressor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            self.manual_backward(super().training_step(batch, batch_idx))
+
+    with pytest.raises(RuntimeError, match=r"manual_backward\(\) was called inside a replica.*training_step_end"):
+        _fit(Manual(), 4, devices=2, strategy="mgpu_dp", max_steps=1)
+
+
+def test_manual_optimization_in_training_step_end_matches_single_device() -> None:
+    class Manual(StepEndRegressor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step_end(self, step_output: dict[str, torch.Tensor]) -> None:
+            optimizer = self.optimizers()
+            optimizer.zero_grad()
+            self.manual_backward(step_output["errors"].mean())
+            optimizer.step()
+
+    single = Regressor()
+    _fit(single, 5, max_epochs=2)
+    manual = Manual()
+    _fit(manual, 5, max_epochs=2, devices=2, strategy="mgpu_dp")
+    assert_same_parameters(parameters(single), parameters(manual))
+
+
+def test_the_wrapped_model_can_be_deep_copied() -> None:
+    import copy
+
+    fitted = trainer(devices=2, strategy="mgpu_dp", max_steps=1)
+    model = Regressor()
+    seen: list[Any] = []
+
+    class CopyModel(L.Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+            seen.append(copy.deepcopy(trainer.model))
+
+    fitted.callbacks.append(CopyModel())
+    fitted.fit(model, loader(regression_data(), 4))
+    copied = seen[0]
+    torch.testing.assert_close(copied(torch.ones(3, 4)), model(torch.ones(3, 4)))
+    copied.close()
