@@ -15,6 +15,7 @@ from lightning.pytorch.strategies.strategy import TBroadcast
 from torch import nn
 from typing_extensions import override
 
+from lightning_mgpu.checks import check_devices_exist
 from lightning_mgpu.engine import DataParallel, ReplicaOutputs, gather, weighted_mean
 from lightning_mgpu.errors import ConfigurationError
 from lightning_mgpu.hooks import call_step_end, has_step_end
@@ -68,7 +69,7 @@ class DataParallelStrategy(ParallelStrategy):
     @parallel_devices.setter
     def parallel_devices(self, parallel_devices: list[torch.device] | None) -> None:
         if parallel_devices:
-            _check_devices_exist(parallel_devices)
+            check_devices_exist(parallel_devices, self.strategy_name)
         self._parallel_devices = parallel_devices
 
     @property
@@ -261,17 +262,3 @@ def _reduce_loss(replica_outputs: ReplicaOutputs, gathered: Any, device: torch.d
 
 def _is_scalar(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() == 0
-
-
-def _check_devices_exist(devices: list[torch.device]) -> None:
-    cuda_indices = [device.index or 0 for device in devices if device.type == "cuda"]
-    if not cuda_indices:
-        return
-    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    missing = sorted({index for index in cuda_indices if index >= available})
-    if missing:
-        raise ConfigurationError(
-            f"mgpu_dp was asked for CUDA devices {sorted(set(cuda_indices))}, but this machine has {available}"
-            f" CUDA device(s), so {missing} do not exist. Ask for at most devices={available}, or use"
-            " accelerator='cpu' to run virtual replicas on the CPU."
-        )
