@@ -340,7 +340,9 @@ def test_more_cuda_devices_than_the_machine_has_are_refused(monkeypatch: pytest.
     with pytest.raises(lightning_mgpu.ConfigurationError, match=r"has 1 CUDA device\(s\), so \[1\] do not exist"):
         DataParallelStrategy(parallel_devices=devices)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(lightning_mgpu.ConfigurationError, match=r"mgpu_dp was asked .* has 0 CUDA device\(s\).*accelerator='cpu'"):
+    with pytest.raises(
+        lightning_mgpu.ConfigurationError, match=r"mgpu_dp was asked .* has 0 CUDA device\(s\).*accelerator='cpu'"
+    ):
         DataParallelStrategy(parallel_devices=devices)
 
 
