@@ -15,14 +15,14 @@ from lightning.pytorch.strategies.strategy import TBroadcast
 from torch import nn
 from typing_extensions import override
 
-from lightning_mgpu.checks import check_devices_exist
 from lightning_mgpu.engine import DataParallel, ReplicaOutputs, gather, weighted_mean
 from lightning_mgpu.errors import ConfigurationError
 from lightning_mgpu.hooks import call_step_end, has_step_end
+from lightning_mgpu.strategies._common import MGPUStrategyMixin
 from lightning_mgpu.strategies._replica_log import ReplicaLog, replay
 
 
-class DataParallelStrategy(ParallelStrategy):
+class DataParallelStrategy(MGPUStrategyMixin, ParallelStrategy):
     """Split each batch across devices in one process and run the step of one replica per device in threads.
 
     The successor of Lightning 1.x's ``strategy="dp"``. Each step the batch is split along dim 0, the
@@ -60,17 +60,6 @@ class DataParallelStrategy(ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         self._num_nodes = 1
-
-    @property
-    @override
-    def parallel_devices(self) -> list[torch.device] | None:
-        return self._parallel_devices
-
-    @parallel_devices.setter
-    def parallel_devices(self, parallel_devices: list[torch.device] | None) -> None:
-        if parallel_devices:
-            check_devices_exist(parallel_devices, self.strategy_name)
-        self._parallel_devices = parallel_devices
 
     @property
     def num_nodes(self) -> int:
@@ -188,11 +177,6 @@ class DataParallelStrategy(ParallelStrategy):
             self.model.close()
             self.model = self.lightning_module
         super().teardown()
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(cls.strategy_name, cls, description=cls.__name__, override=True)
 
     def _parallel_step(
         self,

@@ -1,0 +1,230 @@
+"""``mgpu_ddp``: the user's DistributedDataParallel recipe as a Lightning 2.x strategy, with ``*_step_end`` hooks."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
+from lightning.pytorch.trainer.states import RunningStage
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from lightning_mgpu._lightning_private import with_sampler
+from lightning_mgpu.hooks import call_step_end
+from lightning_mgpu.strategies._common import MGPUStrategyMixin
+from lightning_mgpu.strategies.samplers import EvenlyShardedSampler, is_padding_sampler
+
+_EVALUATION_STAGES = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING)
+_UNUSED_PARAMETERS = re.compile(r"Expected to have finished reduction in the prior iteration")
+_UNUSED_INDICES = re.compile(r"Parameter indices which did not receive grad for rank \d+: ([\d ]+)")
+
+
+def _is_mean(reduce_op: Any) -> bool:
+    if isinstance(reduce_op, str):
+        return reduce_op.lower() in ("mean", "avg")
+    return reduce_op == dist.ReduceOp.AVG
+
+
+def buffer_sync_keyword() -> str:
+    """The DDP keyword that switches per-forward buffer broadcasting on the installed torch.
+
+    torch 2.13 deprecates ``broadcast_buffers`` (with a FutureWarning) in favour of ``forward_sync_buffers``; older
+    torch knows only ``broadcast_buffers``.
+    """
+    parameters = inspect.signature(DistributedDataParallel.__init__).parameters
+    return "forward_sync_buffers" if "forward_sync_buffers" in parameters else "broadcast_buffers"
+
+
+class DDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
+    """One process per device, gradients all-reduced by ``DistributedDataParallel``, the user's defaults built in.
+
+    Compared with Lightning's ``"ddp"``: on CUDA the process's device is set from its local rank before the process
+    group starts and DDP gets ``device_ids=[device]`` and ``output_device=device``; buffers are not broadcast on
+    every forward (the user's ``broadcast_buffers=False``) unless ``broadcast_buffers=True``; the ``*_step_end``
+    hooks run after every rank's step with that rank's output, so one LightningModule runs unchanged under
+    ``mgpu_dp`` and ``mgpu_ddp``; validation and test count every sample exactly once (no padding duplicates);
+    DDP's unused-parameter error names the parameters.
+
+    Args:
+        accelerator: the accelerator; Lightning sets it from ``Trainer(accelerator=...)`` when left ``None``.
+        parallel_devices: the devices of this node, one process each; from ``Trainer(devices=...)`` when ``None``.
+        cluster_environment: where ranks come from (torchrun, SLURM, Lightning's launcher); detected when ``None``.
+        checkpoint_io: how checkpoints are written and read; Lightning's default when ``None``.
+        precision_plugin: the precision plugin.
+        broadcast_buffers: broadcast buffers from rank 0 before every forward (and before evaluation); off by
+            default, as in the user's recipe. Passed to DDP under the keyword the installed torch takes.
+        process_group_backend: ``"nccl"``, ``"gloo"``, ...; the device's default when ``None``.
+        timeout: how long a collective may wait for the other ranks before it fails, so a rank that died makes
+            the others exit instead of hanging.
+        start_method: ``"popen"`` (Lightning re-runs the script per rank), ``"spawn"``, ``"fork"`` or
+            ``"forkserver"``.
+        **kwargs: passed to ``DistributedDataParallel`` (``find_unused_parameters``, ``static_graph``,
+            ``gradient_as_bucket_view``, ``bucket_cap_mb``, ...); ``ddp_comm_state``, ``ddp_comm_hook``,
+            ``ddp_comm_wrapper`` and ``model_averaging_period`` go to Lightning's DDP strategy.
+    """
+
+    strategy_name = "mgpu_ddp"
+
+    def __init__(
+        self,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        broadcast_buffers: bool = False,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = timedelta(minutes=30),
+        start_method: str = "popen",
+        **kwargs: Any,
+    ) -> None:
+        if "broadcast_buffers" in kwargs or "forward_sync_buffers" in kwargs:
+            broadcast_buffers = bool(kwargs.pop("forward_sync_buffers", kwargs.pop("broadcast_buffers", False)))
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,  # type: ignore[arg-type]
+            **kwargs,
+        )
+        self.broadcast_buffers = broadcast_buffers
+        self._ddp_kwargs[buffer_sync_keyword()] = broadcast_buffers
+
+    @override
+    def setup_environment(self) -> None:
+        if self.root_device.type == "cuda":
+            # The user's recipe: pin this process to its card before anything (NCCL included) touches CUDA.
+            torch.cuda.set_device(self.root_device)
+        super().setup_environment()
+
+    @override
+    def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
+        if self.root_device.type == "cuda":
+            self._ddp_kwargs.setdefault("output_device", self.root_device.index)
+        return super()._setup_model(model)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step_end("training_step", super().training_step(*args, **kwargs))
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step_end("validation_step", self._evaluate("validation_step", args, kwargs))
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step_end("test_step", self._evaluate("test_step", args, kwargs))
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step_end("predict_step", super().predict_step(*args, **kwargs))
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+        """Like Lightning's, but a mean of integers is taken in floating point instead of being truncated.
+
+        Lightning's epoch-level ``sync_dist`` means divide the synced sum of values by the synced mean of the
+        integer batch counts; on gloo that mean is truncated (ranks that saw 3 and 2 samples average to 2, not 2.5),
+        which is wrong as soon as evaluation shards are uneven.
+        """
+        if isinstance(tensor, torch.Tensor) and not tensor.is_floating_point() and _is_mean(reduce_op):
+            tensor = tensor.to(torch.get_default_dtype())
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Give evaluation dataloaders a sampler that shards without padding, so each sample counts once.
+
+        Training keeps the padding sampler: DDP needs every rank to run the same number of training steps.
+        """
+        if self._evaluating() and is_padding_sampler(getattr(dataloader, "sampler", None)):
+            sampler = dataloader.sampler  # type: ignore[attr-defined]
+            return with_sampler(dataloader, EvenlyShardedSampler.like(sampler))  # type: ignore[arg-type]
+        return dataloader
+
+    @override
+    def on_validation_start(self) -> None:
+        self._sync_buffers_for_evaluation()
+
+    @override
+    def on_test_start(self) -> None:
+        self._sync_buffers_for_evaluation()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        if any(isinstance(arg, str) and _UNUSED_PARAMETERS.search(arg) for arg in exception.args):
+            exception.args = (self._explain_unused_parameters(str(exception)),)
+            return
+        super().on_exception(exception)
+
+    def _evaluating(self) -> bool:
+        module = self.lightning_module
+        try:
+            stage = module.trainer.state.stage if module is not None else None
+        except RuntimeError:  # not attached to a Trainer
+            return False
+        return stage in _EVALUATION_STAGES
+
+    def _step_end(self, step: str, output: Any) -> Any:
+        """This rank's output goes to the ``*_step_end`` hook, as the gathered output does under ``mgpu_dp``."""
+        module = self.lightning_module
+        assert module is not None
+        return call_step_end(module, step, output)
+
+    def _evaluate(self, step: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run an evaluation step on the module itself, never through the DDP wrapper.
+
+        Evaluation needs no gradient sync, and without DDP's forward no rank waits on another, so ranks may run
+        different numbers of evaluation batches (the price of counting each sample once).
+        """
+        module = self.lightning_module
+        assert module is not None
+        context = (
+            self.precision_plugin.val_step_context
+            if step == "validation_step"
+            else self.precision_plugin.test_step_context
+        )
+        with context():
+            return getattr(module, step)(*args, **kwargs)
+
+    def _sync_buffers_for_evaluation(self) -> None:
+        if not (self.broadcast_buffers and dist.is_available() and dist.is_initialized()):
+            return
+        module = self.lightning_module
+        assert module is not None
+        with torch.no_grad():
+            for buffer in module.buffers():
+                dist.broadcast(buffer, src=0)
+
+    def _explain_unused_parameters(self, original: str) -> str:
+        names = self._parameters_without_gradient(original)
+        listed = ", ".join(names) if names else "(run with TORCH_DISTRIBUTED_DEBUG=DETAIL to have torch name them)"
+        return (
+            "DDP expected a gradient for every parameter, but these received none in the last step: "
+            f"{listed}. Either make every parameter take part in the loss, or tell DDP to look for unused ones:"
+            " strategy=lightning_mgpu.DDPStrategy(find_unused_parameters=True) (slower: it walks the graph every"
+            " step), or static_graph=True when the same parameters are unused in every step. In YAML:"
+            " trainer.strategy: {class_path: lightning_mgpu.DDPStrategy, init_args: {find_unused_parameters: true}}."
+            f"\n\nThe original error from torch:\n{original}"
+        )
+
+    def _parameters_without_gradient(self, original: str) -> list[str]:
+        match = _UNUSED_INDICES.search(original)
+        module = self.lightning_module
+        if match is None or module is None:
+            return []
+        trainable = [name for name, parameter in module.named_parameters() if parameter.requires_grad]
+        indices = [int(index) for index in match.group(1).split()]
+        return [trainable[index] for index in indices if index < len(trainable)]

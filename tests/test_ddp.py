@@ -1,0 +1,275 @@
+"""mgpu_ddp: two CPU processes with gloo, under every launcher, must match one device."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from models import Regressor, assert_same_parameters, loader, parameters, regression_data, trainer
+
+import lightning_mgpu
+from lightning_mgpu import DDPStrategy
+from lightning_mgpu.strategies.ddp import buffer_sync_keyword
+
+SCRIPT = Path(__file__).parent / "scripts" / "ddp_train.py"
+LAUNCH_TIMEOUT = 180
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "PL_"))}
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK"):
+        env.pop(key, None)
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def _run(command: list[str], env: dict[str, str], timeout: float = LAUNCH_TIMEOUT) -> subprocess.CompletedProcess:
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def _report(out: Path, rank: int) -> dict[str, Any]:
+    return json.loads((out / f"rank{rank}.json").read_text())
+
+
+def _single_device_parameters(epochs: int = 2, batch: int = 4) -> dict[str, torch.Tensor]:
+    model = Regressor()
+    trainer(max_epochs=epochs).fit(model, loader(regression_data(), batch))
+    return parameters(model)
+
+
+def _assert_matches_single_device(out: Path, result: subprocess.CompletedProcess, environment: str) -> None:
+    assert result.returncode == 0, result.stderr[-3000:]
+    reports = [_report(out, rank) for rank in (0, 1)]
+    assert [r["world_size"] for r in reports] == [2, 2]
+    assert {r["environment"] for r in reports} == {environment}
+    assert {r["strategy"] for r in reports} == {"DDPStrategy"}
+    assert_same_parameters(torch.load(out / "params.pt"), _single_device_parameters())
+
+
+def test_lightning_launcher_matches_one_device_with_twice_the_batch(tmp_path: Path) -> None:
+    result = _run([sys.executable, str(SCRIPT), "--out", str(tmp_path)], _clean_env(MASTER_PORT=str(_free_port())))
+    _assert_matches_single_device(tmp_path, result, "LightningEnvironment")
+
+
+def test_torchrun(tmp_path: Path) -> None:
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+        str(SCRIPT), "--out", str(tmp_path), "--model", "Evaluated", "--val-rows", "5",
+    ]  # fmt: skip
+    _assert_matches_single_device(tmp_path, _run(command, _clean_env()), "TorchElasticEnvironment")
+    assert _report(tmp_path, 0)["metrics"]["val_rows"] == 5.0, "validation during fit counts each sample once"
+
+
+def test_legacy_torch_distributed_launch_with_its_local_rank_argument(tmp_path: Path) -> None:
+    command = [
+        sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+        str(SCRIPT), "--out", str(tmp_path),
+    ]  # fmt: skip
+    result = _run(command, _clean_env())
+    _assert_matches_single_device(tmp_path, result, "TorchElasticEnvironment")
+
+
+def test_slurm_environment(tmp_path: Path) -> None:
+    port = str(_free_port())
+    processes = []
+    for rank in (0, 1):
+        env = _clean_env(
+            SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_NNODES="1", SLURM_NODEID="0",
+            SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_JOB_ID="4242", SLURM_JOB_NAME="train",
+            SLURM_NODELIST="127.0.0.1", MASTER_PORT=port,
+        )  # fmt: skip
+        command = [sys.executable, str(SCRIPT), "--out", str(tmp_path)]
+        processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outputs = [process.communicate(timeout=LAUNCH_TIMEOUT) for process in processes]
+    codes = [process.returncode for process in processes]
+    assert codes == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    result = subprocess.CompletedProcess([], 0, "", "")
+    _assert_matches_single_device(tmp_path, result, "SLURMEnvironment")
+
+
+def test_two_nodes_on_one_machine_through_torchrun(tmp_path: Path) -> None:
+    port = str(_free_port())
+    processes = []
+    for node in (0, 1):
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+            "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port,
+            str(SCRIPT), "--out", str(tmp_path), "--devices", "1", "--num-nodes", "2",
+        ]  # fmt: skip
+        processes.append(
+            subprocess.Popen(command, env=_clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
+    outputs = [process.communicate(timeout=LAUNCH_TIMEOUT) for process in processes]
+    assert [process.returncode for process in processes] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    result = subprocess.CompletedProcess([], 0, "", "")
+    _assert_matches_single_device(tmp_path, result, "TorchElasticEnvironment")
+
+
+def test_validation_counts_each_sample_once(tmp_path: Path) -> None:
+    command = [
+        sys.executable, str(SCRIPT), "--out", str(tmp_path), "--scenario", "validate", "--model", "Evaluated",
+        "--val-rows", "5",
+    ]  # fmt: skip
+    result = _run(command, _clean_env(MASTER_PORT=str(_free_port())))
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = _report(tmp_path, 0)["metrics"]
+    assert metrics["val_rows"] == 5.0
+    expected = trainer().validate(Regressor(), loader(regression_data(rows=5, seed=3), 5), verbose=False)
+    assert metrics["val_loss"] == pytest.approx(expected[0]["val_loss"], abs=1e-6)
+
+
+def test_training_shuffles_differently_every_epoch(tmp_path: Path) -> None:
+    command = [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--scenario", "shuffle", "--epochs", "2"]
+    result = _run(command, _clean_env(MASTER_PORT=str(_free_port())))
+    assert result.returncode == 0, result.stderr[-3000:]
+    reports = [_report(tmp_path, rank) for rank in (0, 1)]
+    for epoch in ("0", "1"):
+        seen = sorted(row for report in reports for row in report["rows"][epoch])
+        assert seen == [float(i) for i in range(20)], "every row exactly once per epoch"
+    assert reports[0]["rows"]["0"] != reports[0]["rows"]["1"]
+
+
+def _pids(out: Path) -> list[int]:
+    return [int(path.read_text()) for path in out.glob("pid-*")]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("fail_rank", [0, 1])
+def test_a_failing_rank_ends_every_process_quickly(tmp_path: Path, fail_rank: int) -> None:
+    command = [
+        sys.executable, str(SCRIPT), "--out", str(tmp_path), "--scenario", "fail", "--fail-rank", str(fail_rank),
+        "--timeout", "20", "--epochs", "5",
+    ]  # fmt: skip
+    started = time.monotonic()
+    result = _run(command, _clean_env(MASTER_PORT=str(_free_port())), timeout=120)
+    assert result.returncode != 0
+    assert "fails on purpose" in result.stderr
+    deadline = time.monotonic() + 60
+    while any(_alive(pid) for pid in _pids(tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    survivors = [pid for pid in _pids(tmp_path) if _alive(pid)]
+    for pid in survivors:
+        os.kill(pid, signal.SIGKILL)
+    assert len(_pids(tmp_path)) == 2
+    assert not survivors, "a rank kept running after another one failed"
+    assert time.monotonic() - started < 90
+
+
+def test_unused_parameters_are_named_with_the_fix(tmp_path: Path) -> None:
+    command = [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--model", "Unused", "--timeout", "30"]
+    result = _run(command, _clean_env(MASTER_PORT=str(_free_port())))
+    assert result.returncode != 0
+    assert "received none in the last step: unused_head.weight, unused_head.bias" in result.stderr
+    assert "find_unused_parameters=True" in result.stderr
+    assert "static_graph=True" in result.stderr
+
+
+def test_checkpoints_move_between_ddp_dp_and_one_device(tmp_path: Path) -> None:
+    ddp_out = tmp_path / "ddp"
+    command = [sys.executable, str(SCRIPT), "--out", str(ddp_out), "--epochs", "1"]
+    result = _run(command, _clean_env(MASTER_PORT=str(_free_port())))
+    assert result.returncode == 0, result.stderr[-3000:]
+    ddp_checkpoint = next((ddp_out / "checkpoints").glob("*.ckpt"))
+    saved = torch.load(ddp_checkpoint, weights_only=False)
+    assert not any(key.startswith("module.") for key in saved["state_dict"])
+
+    loaded = Regressor.load_from_checkpoint(ddp_checkpoint)
+    assert_same_parameters(parameters(loaded), torch.load(ddp_out / "params.pt"))
+    straight = _single_device_parameters(epochs=2)
+    for overrides in ({}, {"devices": 2, "strategy": "mgpu_dp"}):
+        resumed = Regressor()
+        trainer(max_epochs=2, **overrides).fit(resumed, loader(regression_data(), 4), ckpt_path=str(ddp_checkpoint))
+        assert_same_parameters(parameters(resumed), straight)
+
+    dp_model = Regressor()
+    dp_trainer = trainer(tmp_path, max_epochs=1, devices=2, strategy="mgpu_dp", enable_checkpointing=True)
+    dp_trainer.fit(dp_model, loader(regression_data(), 4))
+    dp_checkpoint = next(Path(dp_trainer.checkpoint_callback.dirpath).glob("*.ckpt"))
+    resumed_out = tmp_path / "resumed"
+    command = [sys.executable, str(SCRIPT), "--out", str(resumed_out), "--ckpt-in", str(dp_checkpoint)]
+    result = _run(command, _clean_env(MASTER_PORT=str(_free_port())))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_parameters(torch.load(resumed_out / "params.pt"), straight)
+
+
+def test_defaults_follow_the_recipe_and_raise_no_warning(recwarn: pytest.WarningsRecorder) -> None:
+    strategy = DDPStrategy()
+    assert strategy._ddp_kwargs == {buffer_sync_keyword(): False}
+    assert buffer_sync_keyword() == "forward_sync_buffers"  # torch 2.13 deprecates broadcast_buffers
+    model = torch.nn.Linear(2, 2)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        wrapped = torch.nn.parallel.DistributedDataParallel(model, **strategy._ddp_kwargs)
+        assert wrapped.forward_sync_buffers is False
+    finally:
+        torch.distributed.destroy_process_group()
+    assert not [w for w in recwarn if issubclass(w.category, FutureWarning)]
+
+
+def test_buffer_broadcasting_can_be_switched_on_and_other_keywords_pass_through() -> None:
+    strategy = DDPStrategy(broadcast_buffers=True, find_unused_parameters=True, static_graph=False, bucket_cap_mb=5)
+    assert strategy._ddp_kwargs == {
+        buffer_sync_keyword(): True,
+        "find_unused_parameters": True,
+        "static_graph": False,
+        "bucket_cap_mb": 5,
+    }
+    assert DDPStrategy(forward_sync_buffers=True).broadcast_buffers is True
+
+
+def test_registration_leaves_lightnings_own_ddp_names_alone() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert StrategyRegistry["mgpu_ddp"]["strategy"] is DDPStrategy
+    assert StrategyRegistry["ddp"]["strategy"] is L.pytorch.strategies.DDPStrategy
+    assert StrategyRegistry["ddp_spawn"]["strategy"] is L.pytorch.strategies.DDPStrategy
+
+
+@pytest.mark.parametrize("strategy", ["mgpu_ddp", "instance"])
+def test_trainer_accepts_the_name_and_an_instance(strategy: str) -> None:
+    chosen = DDPStrategy(find_unused_parameters=True) if strategy == "instance" else strategy
+    built = L.Trainer(accelerator="cpu", devices=2, strategy=chosen, logger=False)
+    assert isinstance(built.strategy, DDPStrategy)
+    assert built.strategy.num_processes == 2
+
+
+def test_cuda_devices_the_machine_lacks_fail_before_any_process_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    devices = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    with pytest.raises(lightning_mgpu.ConfigurationError, match=r"mgpu_ddp was asked .* has 0 CUDA.*accelerator='cpu'"):
+        DDPStrategy(parallel_devices=devices)
+
+
+def test_parse_local_rank_accepts_both_spellings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert lightning_mgpu.parse_local_rank(["train.py", "--local-rank=3", "--lr", "1"]) == 3
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert lightning_mgpu.parse_local_rank(["train.py", "--local_rank", "2"]) == 2
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    assert lightning_mgpu.parse_local_rank(["train.py"]) == 5
+    monkeypatch.setattr(sys, "argv", ["train.py", "fit", "--local_rank=1", "--config", "c.yaml"])
+    assert lightning_mgpu.parse_local_rank() == 1
+    assert sys.argv == ["train.py", "fit", "--config", "c.yaml"]
