@@ -55,7 +55,7 @@ def test_replicas_run_in_their_own_threads_with_their_index() -> None:
     class Recorder(Regressor):
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             seen.append((self.replica_index, self.num_replicas, threading.current_thread().name, self.device))
-            assert list(self.parameters()) == [], "replicas own no parameters, as on GPUs"
+            assert list(torch.nn.Module.named_parameters(self)) == [], "replicas own no parameters, as on GPUs"
             return super().training_step(batch, batch_idx)
 
     _fit(Recorder(), 10, devices=2, strategy="mgpu_dp", max_steps=1)
@@ -348,11 +348,11 @@ def test_more_cuda_devices_than_the_machine_has_are_refused(monkeypatch: pytest.
 
 def test_the_lightning_device_attribute_shim_sets_the_replica_device() -> None:
     from lightning_mgpu.engine import replicate
-    from lightning_mgpu.strategies.dp import _prepare_replica
+    from lightning_mgpu.strategies._replica_step import prepare_replica
 
     model = Regressor()
     replica = replicate(model, [torch.device("cpu")])[0]
-    _prepare_replica(replica, 0, 1, torch.device("meta"))
+    prepare_replica(replica, 0, 1, torch.device("meta"))
     assert replica.device == torch.device("meta")
     assert model.device == torch.device("cpu")
 
@@ -420,3 +420,13 @@ def test_the_wrapped_model_can_be_deep_copied() -> None:
     copied = seen[0]
     torch.testing.assert_close(copied(torch.ones(3, 4)), model(torch.ones(3, 4)))
     copied.close()
+
+
+def test_parameters_inside_a_replica_explain_the_fix() -> None:
+    class Penalised(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            device = next(self.parameters()).device
+            return super().training_step(batch, batch_idx).to(device)
+
+    with pytest.raises(RuntimeError, match=r"self.parameters\(\) was called inside a replica.*x.device, x.dtype"):
+        _fit(Penalised(), 4, devices=2, strategy="mgpu_dp", max_steps=1)

@@ -15,11 +15,10 @@ from lightning.pytorch.strategies.strategy import TBroadcast
 from torch import nn
 from typing_extensions import override
 
-from lightning_mgpu.engine import DataParallel, ReplicaOutputs, gather, weighted_mean
+from lightning_mgpu.engine import DataParallel
 from lightning_mgpu.errors import ConfigurationError
-from lightning_mgpu.hooks import call_step_end, has_step_end
 from lightning_mgpu.strategies._common import MGPUStrategyMixin
-from lightning_mgpu.strategies._replica_log import ReplicaLog, replay
+from lightning_mgpu.strategies._replica_step import run_replica_step
 
 
 class DataParallelStrategy(MGPUStrategyMixin, ParallelStrategy):
@@ -190,59 +189,4 @@ class DataParallelStrategy(MGPUStrategyMixin, ParallelStrategy):
         assert module is not None
         if not isinstance(wrapper, DataParallel):
             raise ConfigurationError(f"{step} was called before the mgpu_dp strategy was set up by a Trainer.")
-        if not args:
-            raise ConfigurationError(f"mgpu_dp needs the batch as the first positional argument of {step}.")
-        logs: list[ReplicaLog] = []
-
-        def prepare(replica: nn.Module, index: int, num_replicas: int, device: torch.device) -> None:
-            logs.append(_prepare_replica(replica, index, num_replicas, device))
-
-        replica_outputs = wrapper.run(
-            step, args[0], args[1:], kwargs, context=lambda index, device: precision_context(), prepare_replica=prepare
-        )
-        for log, rows in zip(logs, replica_outputs.sizes, strict=True):
-            log.rows = rows
-        replay(logs, module, self.root_device)
-        gathered = gather(replica_outputs.outputs, self.root_device)
-        if has_step_end(module, step):
-            return call_step_end(module, step, gathered)
-        if step == "predict_step":
-            return gathered
-        return _reduce_loss(replica_outputs, gathered, self.root_device)
-
-
-def _prepare_replica(replica: nn.Module, index: int, num_replicas: int, device: torch.device) -> ReplicaLog:
-    setattr(replica, "replica_index", index)  # noqa: B010 - nn.Module's typed __setattr__ rejects an int
-    setattr(replica, "num_replicas", num_replicas)  # noqa: B010
-    for submodule in replica.modules():
-        if "_device" in vars(submodule):
-            # ``LightningModule.device`` reads the private ``_device`` of Lightning's DeviceDtypeModuleMixin; a
-            # replica's copy must name the replica's device. The only write to it; tests/test_dp.py checks it.
-            setattr(submodule, "_device", device)  # noqa: B010
-    setattr(replica, "manual_backward", _refuse_manual_backward)  # noqa: B010
-    log = ReplicaLog(index, rows=0)
-    setattr(replica, "log", log)  # noqa: B010 - an instance attribute shadows LightningModule.log
-    return log
-
-
-def _refuse_manual_backward(*args: Any, **kwargs: Any) -> None:
-    raise RuntimeError(
-        "self.manual_backward() was called inside a replica under mgpu_dp. Each replica sees only its chunk, so"
-        " its backward would weigh the chunks wrongly. Return the per-sample values (or the chunk loss) from"
-        " training_step and call self.manual_backward() on the combined loss in training_step_end."
-    )
-
-
-def _reduce_loss(replica_outputs: ReplicaOutputs, gathered: Any, device: torch.device) -> Any:
-    """Without a ``*_step_end`` hook, combine per-replica scalar losses into the single-device loss."""
-    outputs = replica_outputs.outputs
-    sizes = replica_outputs.sizes
-    if all(isinstance(output, torch.Tensor) and output.dim() == 0 for output in outputs):
-        return weighted_mean(gathered, sizes)
-    if all(isinstance(output, dict) and _is_scalar(output.get("loss")) for output in outputs):
-        gathered["loss"] = weighted_mean(gathered["loss"], sizes)
-    return gathered
-
-
-def _is_scalar(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() == 0
+        return run_replica_step(wrapper, module, step, args, kwargs, precision_context)

@@ -1,0 +1,103 @@
+"""One data-parallel step of a LightningModule: replicas run the step, then ``*_step_end`` or the default loss.
+
+Shared by ``DataParallelStrategy`` and the doctor, which runs the same step outside a Trainer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+
+from lightning_mgpu.engine import DataParallel, ReplicaOutputs, gather, weighted_mean
+from lightning_mgpu.errors import ConfigurationError
+from lightning_mgpu.hooks import call_step_end, has_step_end
+from lightning_mgpu.strategies._replica_log import ReplicaLog, replay
+
+
+def run_replica_step(
+    wrapper: DataParallel,
+    module: pl.LightningModule,
+    step: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    context: Callable[[], AbstractContextManager[Any]] = nullcontext,
+) -> Any:
+    """Run ``module.<step>(*args, **kwargs)`` split across the replicas of ``wrapper`` and return what Lightning sees.
+
+    The first argument is the batch; ``context`` (the precision plugin's autocast) is entered in every replica
+    thread. Values logged in replicas are combined and logged on ``module``; the gathered output goes to the
+    ``*_step_end`` hook, or, without one, per-replica scalar losses are combined by a mean weighted by chunk size.
+    """
+    if not args:
+        raise ConfigurationError(f"mgpu_dp needs the batch as the first positional argument of {step}.")
+    logs: list[ReplicaLog] = []
+
+    def prepare(replica: nn.Module, index: int, num_replicas: int, device: torch.device) -> None:
+        logs.append(prepare_replica(replica, index, num_replicas, device))
+
+    replica_outputs = wrapper.run(
+        step, args[0], args[1:], kwargs, context=lambda index, device: context(), prepare_replica=prepare
+    )
+    for log, rows in zip(logs, replica_outputs.sizes, strict=True):
+        log.rows = rows
+    replay(logs, module, wrapper.root_device)
+    gathered = gather(replica_outputs.outputs, wrapper.root_device)
+    if has_step_end(module, step):
+        return call_step_end(module, step, gathered)
+    if step == "predict_step":
+        return gathered
+    return _reduce_loss(replica_outputs, gathered)
+
+
+def prepare_replica(replica: nn.Module, index: int, num_replicas: int, device: torch.device) -> ReplicaLog:
+    setattr(replica, "replica_index", index)  # noqa: B010 - nn.Module's typed __setattr__ rejects an int
+    setattr(replica, "num_replicas", num_replicas)  # noqa: B010
+    for submodule in replica.modules():
+        if "_device" in vars(submodule):
+            # ``LightningModule.device`` reads the private ``_device`` of Lightning's DeviceDtypeModuleMixin; a
+            # replica's copy must name the replica's device. The only write to it; tests/test_dp.py checks it.
+            setattr(submodule, "_device", device)  # noqa: B010
+    setattr(replica, "manual_backward", _refuse_manual_backward)  # noqa: B010
+    setattr(replica, "parameters", _refuse_parameters)  # noqa: B010
+    setattr(replica, "named_parameters", _refuse_parameters)  # noqa: B010
+    log = ReplicaLog(index, rows=0)
+    setattr(replica, "log", log)  # noqa: B010 - an instance attribute shadows LightningModule.log
+    return log
+
+
+def _refuse_manual_backward(*args: Any, **kwargs: Any) -> None:
+    raise RuntimeError(
+        "self.manual_backward() was called inside a replica under mgpu_dp. Each replica sees only its chunk, so"
+        " its backward would weigh the chunks wrongly. Return the per-sample values (or the chunk loss) from"
+        " training_step and call self.manual_backward() on the combined loss in training_step_end."
+    )
+
+
+def _refuse_parameters(*args: Any, **kwargs: Any) -> None:
+    raise RuntimeError(
+        "self.parameters() was called inside a replica under mgpu_dp. Replicas own no parameters (as with"
+        " torch.nn.DataParallel, their weights are views of the originals), so next(self.parameters()) would raise"
+        " StopIteration and a sum over them would be silently 0. Take the device and dtype from the inputs"
+        " (x.device, x.dtype) or use self.device; compute terms over the parameters, such as weight penalties,"
+        " in training_step_end, where self is the original module."
+    )
+
+
+def _reduce_loss(replica_outputs: ReplicaOutputs, gathered: Any) -> Any:
+    """Without a ``*_step_end`` hook, combine per-replica scalar losses into the single-device loss."""
+    outputs = replica_outputs.outputs
+    sizes = replica_outputs.sizes
+    if all(isinstance(output, torch.Tensor) and output.dim() == 0 for output in outputs):
+        return weighted_mean(gathered, sizes)
+    if all(isinstance(output, dict) and _is_scalar(output.get("loss")) for output in outputs):
+        gathered["loss"] = weighted_mean(gathered["loss"], sizes)
+    return gathered
+
+
+def _is_scalar(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 0
