@@ -11,3 +11,7 @@ class GatherError(TypeError):
 
 class ConfigurationError(ValueError):
     """A strategy was configured in a way that cannot work."""
+
+
+class ModelCheckError(ValueError):
+    """The model has a multi-GPU trap that would make training wrong; the message lists each one with its fix."""

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from torch import nn
+
+CALLER_RUNS_STEP_END = "_mgpu_caller_runs_step_end"
 
 STEP_END_HOOKS = {
     "training_step": "training_step_end",
@@ -27,3 +31,18 @@ def call_step_end(module: nn.Module, step: str, output: Any) -> Any:
     if not has_step_end(module, step):
         return output
     return getattr(module, STEP_END_HOOKS[step])(output)
+
+
+@contextmanager
+def caller_runs_step_end(module: nn.Module) -> Iterator[None]:
+    """Within this context, whoever calls ``module``'s steps calls the ``*_step_end`` hooks (strategy or doctor).
+
+    ``MGPUMixin`` calls the hooks itself after each step otherwise, which is what runs them under Lightning's own
+    strategies.
+    """
+    previous = module.__dict__.get(CALLER_RUNS_STEP_END, False)
+    module.__dict__[CALLER_RUNS_STEP_END] = True
+    try:
+        yield
+    finally:
+        module.__dict__[CALLER_RUNS_STEP_END] = previous
