@@ -9,6 +9,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_mgpu import MGPUMixin
+
 
 def regression_data(rows: int = 20, features: int = 4, seed: int = 0) -> TensorDataset:
     generator = torch.Generator().manual_seed(seed)
@@ -111,3 +113,41 @@ def assert_same_parameters(left: dict[str, torch.Tensor], right: dict[str, torch
     assert left.keys() == right.keys()
     for name in left:
         torch.testing.assert_close(left[name], right[name], atol=atol, rtol=0, msg=f"parameter {name} differs")
+
+
+class Portable(MGPUMixin, L.LightningModule):
+    """The user's target: per-sample outputs from the step, the loss in training_step_end, under any strategy."""
+
+    def __init__(self, features: int = 4, lr: float = 0.1) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.net = nn.Sequential(nn.Linear(features, 8), nn.Tanh(), nn.Linear(8, 1))
+        self.lr = lr
+        self.step_end_calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        x, y = batch
+        return {"errors": (self(x) - y).pow(2).squeeze(1)}
+
+    def training_step_end(self, step_output: dict[str, torch.Tensor]) -> torch.Tensor:
+        self.step_end_calls += 1
+        loss = step_output["errors"].mean()
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return (self(x) - y).pow(2).squeeze(1)
+
+    def validation_step_end(self, errors: torch.Tensor) -> None:
+        self.log("val_loss", errors.mean(), sync_dist=True)
+        self.log("val_rows", float(errors.shape[0]), reduce_fx="sum", sync_dist=True)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)

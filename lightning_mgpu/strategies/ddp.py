@@ -103,6 +103,18 @@ class DDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
         self._ddp_kwargs[buffer_sync_keyword()] = broadcast_buffers
 
     @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        module = self.lightning_module
+        assert module is not None
+        self._prepare_module(trainer, module)
+        super().setup(trainer)
+
+    @override
+    def teardown(self) -> None:
+        self._release_module(self.lightning_module)
+        super().teardown()
+
+    @override
     def setup_environment(self) -> None:
         if self.root_device.type == "cuda":
             # The user's recipe: pin this process to its card before anything (NCCL included) touches CUDA.

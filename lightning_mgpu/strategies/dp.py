@@ -123,6 +123,7 @@ class DataParallelStrategy(MGPUStrategyMixin, ParallelStrategy):
         # Outside the replicas the module is "replica 0 of 1", so code that reads these runs anywhere.
         setattr(module, "replica_index", 0)  # noqa: B010
         setattr(module, "num_replicas", 1)  # noqa: B010
+        self._prepare_module(trainer, module)
         super().setup(trainer)
 
     @override
@@ -172,6 +173,7 @@ class DataParallelStrategy(MGPUStrategyMixin, ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        self._release_module(self.lightning_module)
         if isinstance(self.model, DataParallel):
             self.model.close()
             self.model = self.lightning_module

@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from models import Regressor, StepEndRegressor, regression_data  # noqa: E402
+from models import Portable, Regressor, StepEndRegressor, regression_data  # noqa: E402
 
 import lightning_mgpu  # noqa: E402
 
@@ -103,6 +103,10 @@ class FailOnRank(L.Callback):
             raise RuntimeError(f"rank {self.rank} fails on purpose")
 
 
+MODELS = {"Regressor": Regressor, "StepEndRegressor": StepEndRegressor, "Evaluated": Evaluated, "Unused": Unused,
+          "Portable": Portable}  # fmt: skip
+
+
 def main() -> None:
     parser = lightning_mgpu.add_local_rank_argument(argparse.ArgumentParser())
     parser.add_argument("--out", type=Path, required=True)
@@ -110,9 +114,8 @@ def main() -> None:
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument(
-        "--model", choices=["Regressor", "StepEndRegressor", "Evaluated", "Unused"], default="Regressor"
-    )
+    parser.add_argument("--model", choices=sorted(MODELS), default="Regressor")
+    parser.add_argument("--strategy", choices=["mgpu_ddp", "ddp"], default="mgpu_ddp")
     parser.add_argument("--scenario", choices=["fit", "validate", "shuffle", "fail"], default="fit")
     parser.add_argument("--fail-rank", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=120.0)
@@ -125,9 +128,8 @@ def main() -> None:
     ).write_text(str(os.getpid()))
 
     torch.set_num_threads(1)
-    model = {"Regressor": Regressor, "StepEndRegressor": StepEndRegressor, "Evaluated": Evaluated, "Unused": Unused}[
-        args.model
-    ]()
+    model = MODELS[args.model]()
+    strategy_class = lightning_mgpu.DDPStrategy if args.strategy == "mgpu_ddp" else L.pytorch.strategies.DDPStrategy
     callbacks: list[L.Callback] = [Recorder(args.out)]
     if args.scenario == "fail":
         callbacks.append(FailOnRank(args.fail_rank))
@@ -135,7 +137,7 @@ def main() -> None:
         accelerator="cpu",
         devices=args.devices,
         num_nodes=args.num_nodes,
-        strategy=lightning_mgpu.DDPStrategy(timeout=timedelta(seconds=args.timeout)),
+        strategy=strategy_class(timeout=timedelta(seconds=args.timeout)),
         max_epochs=args.epochs,
         use_distributed_sampler=args.scenario in ("shuffle", "validate"),
         logger=False,

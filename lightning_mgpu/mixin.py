@@ -1,0 +1,55 @@
+"""``MGPUMixin``: one LightningModule that runs unchanged on one device, under ``ddp``, ``mgpu_dp`` and ``mgpu_ddp``."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_mgpu.hooks import CALLER_RUNS_STEP_END, STEP_END_HOOKS
+from lightning_mgpu.placement import to_device_of
+
+
+class MGPUMixin:
+    """Put first among a LightningModule's bases: ``class Net(MGPUMixin, L.LightningModule)``.
+
+    - The ``*_step_end`` hooks run under every strategy: the ``mgpu_*`` strategies call them (after gathering, under
+      ``mgpu_dp``); under Lightning's own strategies the mixin calls them right after each step.
+    - ``self.replica_index`` and ``self.num_replicas`` read 0 and 1 outside ``mgpu_dp``'s replicas.
+    - ``self.to_device_of(obj, related)`` moves data to the device of the tensor or module it goes with.
+    - ``mgpu_*`` strategies check the model for multi-GPU traps at the start of ``fit``.
+    """
+
+    replica_index: int = 0
+    num_replicas: int = 1
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for step in STEP_END_HOOKS:
+            method = getattr(cls, step, None)  # inherited defaults too, so a lone predict_step_end still runs
+            if callable(method) and not getattr(method, "_mgpu_calls_step_end", False):
+                setattr(cls, step, _calling_step_end(step, method))
+
+    def to_device_of(self, obj: Any, related: torch.Tensor | nn.Module | torch.device | str) -> Any:
+        """Move ``obj`` (a tensor or nested collection) to the device of ``related``; see ``to_device_of``."""
+        return to_device_of(obj, related)
+
+
+def _calling_step_end(step: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    hook = STEP_END_HOOKS[step]
+
+    @functools.wraps(method)
+    def step_then_step_end(self: Any, *args: Any, **kwargs: Any) -> Any:
+        output = method(self, *args, **kwargs)
+        # Only the outermost override calls the hook (a subclass's step may call super()'s), and only when no
+        # strategy or doctor does it instead.
+        if getattr(type(self), step) is not step_then_step_end or self.__dict__.get(CALLER_RUNS_STEP_END, False):
+            return output
+        step_end = getattr(self, hook, None)
+        return step_end(output) if callable(step_end) else output
+
+    step_then_step_end._mgpu_calls_step_end = True  # type: ignore[attr-defined]
+    return step_then_step_end
