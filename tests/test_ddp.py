@@ -217,7 +217,12 @@ def test_checkpoints_move_between_ddp_dp_and_one_device(tmp_path: Path) -> None:
 
 def test_defaults_follow_the_recipe_and_raise_no_warning(recwarn: pytest.WarningsRecorder) -> None:
     strategy = DDPStrategy()
-    assert strategy._ddp_kwargs == {buffer_sync_keyword(): False}
+    assert strategy._ddp_kwargs == {
+        buffer_sync_keyword(): False,
+        "find_unused_parameters": False,
+        "static_graph": False,
+        "gradient_as_bucket_view": False,
+    }
     assert buffer_sync_keyword() == "forward_sync_buffers"  # torch 2.13 deprecates broadcast_buffers
     model = torch.nn.Linear(2, 2)
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
@@ -235,9 +240,11 @@ def test_buffer_broadcasting_can_be_switched_on_and_other_keywords_pass_through(
         buffer_sync_keyword(): True,
         "find_unused_parameters": True,
         "static_graph": False,
+        "gradient_as_bucket_view": False,
         "bucket_cap_mb": 5,
     }
     assert DDPStrategy(forward_sync_buffers=True).broadcast_buffers is True
+    assert DDPStrategy(broadcast_buffers=True, forward_sync_buffers=None).broadcast_buffers is True
 
 
 def test_registration_leaves_lightnings_own_ddp_names_alone() -> None:

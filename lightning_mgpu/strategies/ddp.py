@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import re
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -66,9 +66,12 @@ class DDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
             the others exit instead of hanging.
         start_method: ``"popen"`` (Lightning re-runs the script per rank), ``"spawn"``, ``"fork"`` or
             ``"forkserver"``.
-        **kwargs: passed to ``DistributedDataParallel`` (``find_unused_parameters``, ``static_graph``,
-            ``gradient_as_bucket_view``, ``bucket_cap_mb``, ...); ``ddp_comm_state``, ``ddp_comm_hook``,
-            ``ddp_comm_wrapper`` and ``model_averaging_period`` go to Lightning's DDP strategy.
+        find_unused_parameters: let DDP find parameters that get no gradient in a step (slower); named here, not
+            left to ``**kwargs``, so YAML configs can set it.
+        static_graph: tell DDP the set of used parameters never changes between steps.
+        gradient_as_bucket_view: let gradients alias DDP's communication buckets, saving memory.
+        **kwargs: passed to ``DistributedDataParallel`` (``bucket_cap_mb``, ...); ``ddp_comm_state``,
+            ``ddp_comm_hook``, ``ddp_comm_wrapper`` and ``model_averaging_period`` go to Lightning's DDP strategy.
     """
 
     strategy_name = "mgpu_ddp"
@@ -83,11 +86,15 @@ class DDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
         broadcast_buffers: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = timedelta(minutes=30),
-        start_method: str = "popen",
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        gradient_as_bucket_view: bool = False,
         **kwargs: Any,
     ) -> None:
-        if "broadcast_buffers" in kwargs or "forward_sync_buffers" in kwargs:
-            broadcast_buffers = bool(kwargs.pop("forward_sync_buffers", kwargs.pop("broadcast_buffers", False)))
+        forward_sync_buffers = kwargs.pop("forward_sync_buffers", None)  # torch 2.13's name for the same switch
+        if forward_sync_buffers is not None:
+            broadcast_buffers = bool(forward_sync_buffers)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -96,7 +103,10 @@ class DDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
             timeout=timeout,
-            start_method=start_method,  # type: ignore[arg-type]
+            start_method=start_method,
+            find_unused_parameters=find_unused_parameters,
+            static_graph=static_graph,
+            gradient_as_bucket_view=gradient_as_bucket_view,
             **kwargs,
         )
         self.broadcast_buffers = broadcast_buffers
@@ -123,8 +133,8 @@ class DDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
-        if self.root_device.type == "cuda":
-            self._ddp_kwargs.setdefault("output_device", self.root_device.index)
+        if self.root_device.type == "cuda" and self._ddp_kwargs.get("output_device") is None:
+            self._ddp_kwargs["output_device"] = self.root_device.index
         return super()._setup_model(model)
 
     @override
