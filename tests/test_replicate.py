@@ -80,3 +80,14 @@ def test_data_parallel_wrapper_matches_the_module_and_passes_attributes_through(
         assert wrapper.root_device == torch.device("cpu")
     finally:
         wrapper.close()
+
+
+def test_the_wrapper_times_each_phase() -> None:
+    wrapper = DataParallel(nn.Linear(3, 2), CPU2)
+    try:
+        wrapper(torch.randn(6, 3))
+        wrapper(torch.randn(6, 3))
+    finally:
+        wrapper.close()
+    assert set(wrapper.phase_seconds) == {"scatter", "replicate", "parallel_apply", "gather"}
+    assert all(seconds > 0 for seconds in wrapper.phase_seconds.values())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -13,6 +14,9 @@ from lightning_mgpu.engine.parallel_apply import ContextFactory, ParallelApply
 from lightning_mgpu.engine.replicate import replicate
 from lightning_mgpu.engine.scatter import scatter
 from lightning_mgpu.errors import ConfigurationError
+
+PHASES = ("scatter", "replicate", "parallel_apply", "gather")
+"""The engine's phases, timed in ``DataParallel.phase_seconds`` (seconds summed over calls)."""
 
 PrepareReplica = Callable[[nn.Module, int, int, torch.device], None]
 
@@ -52,6 +56,7 @@ class DataParallel(nn.Module):
         self.module = module
         self.devices = [torch.device(device) for device in devices]
         self._apply_in_threads = ParallelApply(len(self.devices))
+        self.phase_seconds: dict[str, float] = dict.fromkeys(PHASES, 0.0)
 
     @property
     def root_device(self) -> torch.device:
@@ -60,8 +65,14 @@ class DataParallel(nn.Module):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Split the first input along dim 0, run ``module.forward`` per chunk, gather the outputs."""
-        replica_outputs = self.run("forward", inputs[0], inputs[1:], kwargs)
-        return gather(replica_outputs.outputs, self.root_device)
+        return self.gather(self.run("forward", inputs[0], inputs[1:], kwargs).outputs)
+
+    def gather(self, outputs: Sequence[Any]) -> Any:
+        """Gather one output per replica on the root device (see ``lightning_mgpu.engine.gather``)."""
+        started = time.perf_counter()
+        gathered = gather(outputs, self.root_device)
+        self.phase_seconds["gather"] += time.perf_counter() - started
+        return gathered
 
     def run(
         self,
@@ -84,8 +95,10 @@ class DataParallel(nn.Module):
             prepare_replica: called as ``prepare_replica(replica, index, num_replicas, device)`` before the call,
                 in the calling thread.
         """
+        started = time.perf_counter()
         chunks, sizes = scatter(batch, self.devices)
         devices = self.devices[: len(chunks)]
+        scattered = time.perf_counter()
         replicas = replicate(self.module, devices)
         if prepare_replica is not None:
             for index, (replica, device) in enumerate(zip(replicas, devices, strict=True)):
@@ -95,7 +108,12 @@ class DataParallel(nn.Module):
             _bind(getattr(replica, method), chunk, args, extra_kwargs)
             for replica, chunk in zip(replicas, chunks, strict=True)
         ]
+        replicated = time.perf_counter()
         outputs = self._apply_in_threads(calls, devices, context)
+        applied = time.perf_counter()
+        self.phase_seconds["scatter"] += scattered - started
+        self.phase_seconds["replicate"] += replicated - scattered
+        self.phase_seconds["parallel_apply"] += applied - replicated
         return ReplicaOutputs(outputs, sizes, replicas)
 
     def close(self) -> None:

@@ -13,7 +13,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from lightning_mgpu.engine import DataParallel, ReplicaOutputs, gather, weighted_mean
+from lightning_mgpu.engine import DataParallel, ReplicaOutputs, weighted_mean
 from lightning_mgpu.errors import ConfigurationError
 from lightning_mgpu.hooks import call_step_end, has_step_end
 from lightning_mgpu.strategies._replica_log import ReplicaLog, replay
@@ -46,7 +46,7 @@ def run_replica_step(
     for log, rows in zip(logs, replica_outputs.sizes, strict=True):
         log.rows = rows
     replay(logs, module, wrapper.root_device)
-    gathered = gather(replica_outputs.outputs, wrapper.root_device)
+    gathered = wrapper.gather(replica_outputs.outputs)
     if has_step_end(module, step):
         return call_step_end(module, step, gathered)
     if step == "predict_step":
