@@ -5,7 +5,7 @@ Shared by ``DataParallelStrategy`` and the doctor, which runs the same step outs
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -16,6 +16,7 @@ from torch import nn
 from lightning_mgpu.engine import DataParallel, ReplicaOutputs, weighted_mean
 from lightning_mgpu.errors import ConfigurationError
 from lightning_mgpu.hooks import call_step_end, has_step_end
+from lightning_mgpu.strategies._health import StepHealth
 from lightning_mgpu.strategies._replica_log import ReplicaLog, replay
 
 
@@ -26,15 +27,22 @@ def run_replica_step(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     context: Callable[[], AbstractContextManager[Any]] = nullcontext,
+    health: StepHealth | None = None,
 ) -> Any:
     """Run ``module.<step>(*args, **kwargs)`` split across the replicas of ``wrapper`` and return what Lightning sees.
 
     The first argument is the batch; ``context`` (the precision plugin's autocast) is entered in every replica
     thread. Values logged in replicas are combined and logged on ``module``; the gathered output goes to the
     ``*_step_end`` hook, or, without one, per-replica scalar losses are combined by a mean weighted by chunk size.
+    ``health``, when given, warns about idle devices and a non-finite training loss.
     """
     if not args:
         raise ConfigurationError(f"mgpu_dp needs the batch as the first positional argument of {step}.")
+    if isinstance(args[0], Iterator):
+        raise ConfigurationError(
+            f"{step} takes a dataloader iterator, which mgpu_dp cannot split across replicas. Define"
+            f" {step}(self, batch, batch_idx) instead, or use strategy='mgpu_ddp'."
+        )
     logs: list[ReplicaLog] = []
 
     def prepare(replica: nn.Module, index: int, num_replicas: int, device: torch.device) -> None:
@@ -48,10 +56,20 @@ def run_replica_step(
     replay(logs, module, wrapper.root_device)
     gathered = wrapper.gather(replica_outputs.outputs)
     if has_step_end(module, step):
-        return call_step_end(module, step, gathered)
-    if step == "predict_step":
+        result = call_step_end(module, step, gathered)
+    elif step == "predict_step":
         return gathered
-    return _reduce_loss(replica_outputs, gathered)
+    else:
+        result = _reduce_loss(replica_outputs, gathered)
+    if health is not None and step == "training_step":
+        health.check_rows(sum(replica_outputs.sizes), len(wrapper.devices))
+        losses = [_loss_of(output) for output in replica_outputs.outputs]
+        health.check_loss(result, f"at step {module.global_step}", losses)
+    return result
+
+
+def _loss_of(output: Any) -> Any:
+    return output.get("loss") if isinstance(output, dict) else output
 
 
 def prepare_replica(replica: nn.Module, index: int, num_replicas: int, device: torch.device) -> ReplicaLog:

@@ -20,6 +20,7 @@ from typing_extensions import override
 from lightning_mgpu._lightning_private import with_sampler
 from lightning_mgpu.hooks import call_step_end
 from lightning_mgpu.strategies._common import MGPUStrategyMixin
+from lightning_mgpu.strategies._health import StepHealth
 from lightning_mgpu.strategies.samplers import EvenlyShardedSampler, is_padding_sampler
 
 _EVALUATION_STAGES = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING)
@@ -110,6 +111,7 @@ class DDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
             **kwargs,
         )
         self.broadcast_buffers = broadcast_buffers
+        self._health = StepHealth(self.strategy_name)
         self._ddp_kwargs[buffer_sync_keyword()] = broadcast_buffers
 
     @override
@@ -139,7 +141,10 @@ class DDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step_end("training_step", super().training_step(*args, **kwargs))
+        output = self._step_end("training_step", super().training_step(*args, **kwargs))
+        step = self.lightning_module.global_step if self.lightning_module is not None else 0
+        self._health.check_loss(output, f"at step {step} on rank {self.global_rank}")
+        return output
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -1,0 +1,55 @@
+"""Warnings, once per run, for what silently spoils data-parallel training without raising anywhere."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+
+class StepHealth:
+    """Checks each step's outcome; every kind of problem is reported once, the first time it happens.
+
+    Args:
+        strategy_name: named in each message.
+    """
+
+    def __init__(self, strategy_name: str) -> None:
+        self.strategy_name = strategy_name
+        self._reported: set[str] = set()
+
+    def check_rows(self, rows: int, devices: int) -> None:
+        """A batch with fewer rows than devices leaves devices idle (and changes nothing else)."""
+        if rows < devices:
+            self._report(
+                "rows",
+                f"{self.strategy_name}: a batch of {rows} row(s) was split across {rows} of {devices} devices, so"
+                " the others sat idle for that step. Use a batch size of at least the device count (ideally a"
+                " multiple of it); a smaller last batch is harmless (drop_last=True skips it).",
+            )
+
+    def check_loss(self, output: Any, where: str, replica_losses: Sequence[Any] = ()) -> None:
+        """A NaN or infinite loss spoils every parameter at the next optimizer step."""
+        loss = output.get("loss") if isinstance(output, Mapping) else output
+        if not isinstance(loss, torch.Tensor) or "loss" in self._reported or bool(torch.isfinite(loss).all()):
+            return
+        culprits = [
+            str(index)
+            for index, value in enumerate(replica_losses)
+            if isinstance(value, torch.Tensor) and not bool(torch.isfinite(value).all())
+        ]
+        source = f"; replica(s) {', '.join(culprits)} produced it" if culprits else ""
+        self._report(
+            "loss",
+            f"{self.strategy_name}: the training loss is {loss.detach().flatten()[0].item()} {where}{source}. The"
+            " optimizer will spread it into every parameter. Check the inputs of that batch, lower the learning"
+            " rate, clip gradients (Trainer(gradient_clip_val=1.0)), or find the operation with"
+            " Trainer(detect_anomaly=True).",
+        )
+
+    def _report(self, kind: str, message: str) -> None:
+        if kind not in self._reported:
+            self._reported.add(kind)
+            warnings.warn(message, UserWarning, stacklevel=4)
