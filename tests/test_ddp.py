@@ -157,16 +157,14 @@ def _alive(pid: int) -> bool:
     return True
 
 
-@pytest.mark.parametrize("fail_rank", [0, 1])
-def test_a_failing_rank_ends_every_process_quickly(tmp_path: Path, fail_rank: int) -> None:
+def _assert_every_process_ends(tmp_path: Path, scenario: str, fail_rank: int) -> subprocess.CompletedProcess:
     command = [
-        sys.executable, str(SCRIPT), "--out", str(tmp_path), "--scenario", "fail", "--fail-rank", str(fail_rank),
+        sys.executable, str(SCRIPT), "--out", str(tmp_path), "--scenario", scenario, "--fail-rank", str(fail_rank),
         "--timeout", "20", "--epochs", "5",
     ]  # fmt: skip
     started = time.monotonic()
     result = _run(command, _clean_env(MASTER_PORT=str(_free_port())), timeout=120)
     assert result.returncode != 0
-    assert "fails on purpose" in result.stderr
     deadline = time.monotonic() + 60
     while any(_alive(pid) for pid in _pids(tmp_path)) and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -176,6 +174,17 @@ def test_a_failing_rank_ends_every_process_quickly(tmp_path: Path, fail_rank: in
     assert len(_pids(tmp_path)) == 2
     assert not survivors, "a rank kept running after another one failed"
     assert time.monotonic() - started < 90
+    return result
+
+
+@pytest.mark.parametrize("fail_rank", [0, 1])
+def test_a_failing_rank_ends_every_process_quickly(tmp_path: Path, fail_rank: int) -> None:
+    result = _assert_every_process_ends(tmp_path, "fail", fail_rank)
+    assert "fails on purpose" in result.stderr
+
+
+def test_a_rank_that_exits_ends_every_process_quickly(tmp_path: Path) -> None:
+    _assert_every_process_ends(tmp_path, "exit", fail_rank=1)
 
 
 def test_unused_parameters_are_named_with_the_fix(tmp_path: Path) -> None:

@@ -95,11 +95,14 @@ class Recorder(L.Callback):
 
 
 class FailOnRank(L.Callback):
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, exit_silently: bool) -> None:
         self.rank = rank
+        self.exit_silently = exit_silently
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.global_rank == self.rank and trainer.global_step == 2:
+            if self.exit_silently:
+                os._exit(3)  # a crash that runs no Python clean-up, like the OOM killer
             raise RuntimeError(f"rank {self.rank} fails on purpose")
 
 
@@ -116,7 +119,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--model", choices=sorted(MODELS), default="Regressor")
     parser.add_argument("--strategy", choices=["mgpu_ddp", "ddp"], default="mgpu_ddp")
-    parser.add_argument("--scenario", choices=["fit", "validate", "shuffle", "fail"], default="fit")
+    parser.add_argument("--scenario", choices=["fit", "validate", "shuffle", "fail", "exit"], default="fit")
     parser.add_argument("--fail-rank", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--ckpt-in", type=Path)
@@ -131,8 +134,8 @@ def main() -> None:
     model = MODELS[args.model]()
     strategy_class = lightning_mgpu.DDPStrategy if args.strategy == "mgpu_ddp" else L.pytorch.strategies.DDPStrategy
     callbacks: list[L.Callback] = [Recorder(args.out)]
-    if args.scenario == "fail":
-        callbacks.append(FailOnRank(args.fail_rank))
+    if args.scenario in ("fail", "exit"):
+        callbacks.append(FailOnRank(args.fail_rank, exit_silently=args.scenario == "exit"))
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
