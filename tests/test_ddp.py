@@ -280,6 +280,7 @@ def test_cuda_devices_the_machine_lacks_fail_before_any_process_starts(monkeypat
 
 
 def test_parse_local_rank_accepts_both_spellings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # parse_local_rank sets LOCAL_RANK; keep it in this test
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     assert lightning_mgpu.parse_local_rank(["train.py", "--local-rank=3", "--lr", "1"]) == 3
     monkeypatch.delenv("LOCAL_RANK", raising=False)

@@ -265,7 +265,8 @@ def test_no_distributed_sampler_and_world_size_one() -> None:
 
     class Inspect(L.Callback):
         def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-            samplers.append(type(trainer.train_dataloader.sampler).__name__)
+            sampler = trainer.train_dataloader.sampler
+            samplers.append(type(getattr(sampler, "sampler", sampler)).__name__)  # inside ResumableSampler
             samplers.append(trainer.world_size)
             samplers.append(trainer.num_devices)
 

@@ -176,10 +176,10 @@ class DDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
 
         Training keeps the padding sampler: DDP needs every rank to run the same number of training steps.
         """
-        if self._evaluating() and is_padding_sampler(getattr(dataloader, "sampler", None)):
+        if self._stage() in _EVALUATION_STAGES and is_padding_sampler(getattr(dataloader, "sampler", None)):
             sampler = dataloader.sampler  # type: ignore[attr-defined]
             return with_sampler(dataloader, EvenlyShardedSampler.like(sampler))  # type: ignore[arg-type]
-        return dataloader
+        return super().process_dataloader(dataloader)
 
     @override
     def on_validation_start(self) -> None:
@@ -195,14 +195,6 @@ class DDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
             exception.args = (self._explain_unused_parameters(str(exception)),)
             return
         super().on_exception(exception)
-
-    def _evaluating(self) -> bool:
-        module = self.lightning_module
-        try:
-            stage = module.trainer.state.stage if module is not None else None
-        except RuntimeError:  # not attached to a Trainer
-            return False
-        return stage in _EVALUATION_STAGES
 
     def _step_end(self, step: str, output: Any) -> Any:
         """This rank's output goes to the ``*_step_end`` hook, as the gathered output does under ``mgpu_dp``."""

@@ -1,0 +1,153 @@
+"""LightningModules with (and without) multi-GPU traps, and a small datamodule, for tests/test_doctor.py.
+
+A module of its own so that ``lightning-mgpu doctor --model tests/doctor_models.py:BatchNormNet`` can load them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class ProbeData(L.LightningDataModule):
+    """``rows`` samples of ``(x, y)`` with 4 features, in one batch by default."""
+
+    def __init__(self, rows: int = 8, batch_size: int = 8) -> None:
+        super().__init__()
+        self.rows = rows
+        self.batch_size = batch_size
+        self.dataset: TensorDataset | None = None
+
+    def setup(self, stage: str) -> None:
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(self.rows, 4, generator=generator)
+        self.dataset = TensorDataset(x, x.sum(1, keepdim=True) + torch.randn(self.rows, 1, generator=generator))
+
+    def train_dataloader(self) -> DataLoader:
+        assert self.dataset is not None
+        return DataLoader(self.dataset, batch_size=self.batch_size)
+
+
+class _Net(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 1)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class CleanNet(_Net):
+    """Per-sample values from the replicas; the loss in training_step_end. Nothing to find."""
+
+    def __init__(self, hidden: int = 8) -> None:
+        super().__init__()
+        self.layer = nn.Sequential(nn.Linear(4, hidden), nn.Tanh(), nn.Dropout(0.5), nn.Linear(hidden, 1))
+
+    def training_step(self, batch: Batch, batch_idx: int) -> dict[str, torch.Tensor]:
+        x, y = batch
+        preds = self.layer(x).squeeze(1)
+        return {"preds": preds, "errors": (preds - y.squeeze(1)).pow(2)}
+
+    def training_step_end(self, output: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        loss = output["errors"].mean()
+        self.log("train_loss", loss)
+        return {"loss": loss, "preds": output["preds"]}
+
+
+class MeanLossNet(_Net):
+    """A scalar mean loss per replica, no step_end: mgpu_dp's chunk-weighted mean makes it exact."""
+
+    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.mse_loss(self.layer(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+
+class BatchNormNet(_Net):
+    """BatchNorm inside the step: each replica normalises its chunk by the chunk's statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+
+    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return (self.layer(x) - y).pow(2).squeeze(1)
+
+    def training_step_end(self, errors: torch.Tensor) -> torch.Tensor:
+        return errors.mean()
+
+
+class CenteredNet(_Net):
+    """Subtracts the batch mean inside training_step; the loss itself is per-sample and fine."""
+
+    def training_step(self, batch: Batch, batch_idx: int) -> dict[str, torch.Tensor]:
+        x, y = batch
+        preds = self.layer(x).squeeze(1)
+        return {"errors": (preds - y.squeeze(1)).pow(2), "centered": preds - preds.mean()}
+
+    def training_step_end(self, output: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"loss": output["errors"].mean(), "centered": output["centered"].detach()}
+
+
+class BatchNormalisedLossNet(_Net):
+    """Divides the loss by a batch statistic inside training_step: loss and gradients change when split."""
+
+    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        errors = (self.layer(x) - y).pow(2)
+        return errors.sum() / y.var()
+
+
+class ListParamsNet(_Net):
+    """Parameters in a plain Python list: not registered, so not replicated, trained or saved."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scales = [nn.Parameter(torch.ones(1)), nn.Parameter(torch.ones(1))]
+
+    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self.layer(x) * self.scales[0] * self.scales[1], y)
+
+
+class UnusedParamNet(MeanLossNet):
+    """A head that the step never uses: no gradient, which DDP refuses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = nn.Linear(4, 2)
+
+
+class StringOutputNet(_Net):
+    """Returns a string next to the loss: replicas' outputs cannot be gathered."""
+
+    def training_step(self, batch: Batch, batch_idx: int) -> dict[str, Any]:
+        x, y = batch
+        return {"loss": F.mse_loss(self.layer(x), y), "note": "fine on one device"}
+
+
+class ParametersInStepNet(_Net):
+    """Calls self.parameters() in the step, which replicas refuse (they own no parameters)."""
+
+    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        penalty = sum(parameter.pow(2).sum() for parameter in self.parameters())
+        return F.mse_loss(self.layer(x), y) + 0.01 * penalty
+
+
+class RandomShiftNet(CleanNet):
+    """Shifts the inputs by one random draw per call: random outside nn.Dropout, and per-sample otherwise."""
+
+    def training_step(self, batch: Batch, batch_idx: int) -> dict[str, torch.Tensor]:
+        x, y = batch
+        return super().training_step((x + torch.randn(1), y), batch_idx)
