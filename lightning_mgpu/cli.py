@@ -1,7 +1,6 @@
 """``lightning-mgpu``: the command line. One subcommand per entry of ``_COMMANDS``, dispatched on the first argument.
 
-Today there is ``doctor``; LightningCLI's ``fit``/``validate``/``test``/``predict`` can join it as further entries
-without touching the dispatch, since each command receives only the arguments after its name.
+``fit``, ``validate``, ``test`` and ``predict`` are LightningCLI's (see ``lightning_cli``); ``doctor`` is ours.
 """
 
 from __future__ import annotations
@@ -63,7 +62,20 @@ def doctor(argv: list[str]) -> int:
     return EXIT_FOUND_ERRORS if report.errors else EXIT_OK
 
 
+def _lightning(subcommand: str) -> Command:
+    def command(argv: list[str]) -> int:
+        from lightning_mgpu.lightning_cli import run  # imported on use: doctor alone needs no LightningCLI
+
+        return run(subcommand, argv)
+
+    return command
+
+
 _COMMANDS: dict[str, tuple[Command, str]] = {
+    "fit": (_lightning("fit"), "train a model from a YAML config and command-line overrides (LightningCLI)"),
+    "validate": (_lightning("validate"), "run the validation loop once"),
+    "test": (_lightning("test"), "run the test loop once"),
+    "predict": (_lightning("predict"), "run prediction"),
     "doctor": (doctor, "find a LightningModule's multi-GPU traps on the CPU, before GPU hours are spent"),
 }
 
