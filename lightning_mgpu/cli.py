@@ -7,17 +7,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import textwrap
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-from lightning_mgpu.doctor import TARGETS, DoctorError, DoctorReport, run_doctor
-
-PROG = "lightning-mgpu"
-EXIT_OK, EXIT_FOUND_ERRORS, EXIT_USAGE = 0, 1, 2
-_MAX_GRADIENT_ROWS = 30
+from lightning_mgpu.doctor import TARGETS, DoctorError, format_report, run_doctor
+from lightning_mgpu.doctor.command import EXIT_FOUND_ERRORS, EXIT_OK, EXIT_USAGE, PROG
 
 Command = Callable[[list[str]], int]
 
@@ -137,85 +133,3 @@ def _json_object(text: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"a JSON {type(value).__name__}; pass an object such as '{{\"lr\": 0.01}}'")
     return value
-
-
-def format_report(report: DoctorReport, width: int | None = None) -> str:
-    """The report as plain-text tables: the findings, then the comparisons, then the notes and the verdict."""
-    width = width or shutil.get_terminal_size(fallback=(120, 24)).columns
-    split = " + ".join(str(size) for size in report.chunk_sizes) or "not split"
-    rows = "" if report.batch_rows is None else f" of {_count(report.batch_rows, 'row')}"
-    lines = [
-        f"{PROG} doctor: {report.model}, probe batch{rows} split {split} across {report.replicas} virtual"
-        f" replicas, judged for {report.target}, seed {report.seed}",
-        "",
-    ]
-    if report.findings:
-        lines.append("Findings")
-        table = [[finding.level, finding.check, finding.where, finding.message] for finding in report.findings]
-        lines.extend(_table(["level", "check", "where", "message"], table, width, caps=(None, None, 32)))
-    else:
-        lines.append("Findings: none")
-    lines.append("")
-    if report.comparisons:
-        loss = f"; the loss is {report.loss}" if report.loss else ""
-        lines.append(
-            f"Comparisons: one device vs {_count(len(report.chunk_sizes), 'replica')} (atol {report.atol:g},"
-            f" rtol {report.rtol:g}){loss}"
-        )
-        lines.extend(_comparison_table(report, width))
-        lines.append("")
-    lines.extend(f"Note: {note}" for note in report.notes)
-    errors, warnings = len(report.errors), len(report.warnings)
-    verdict = f"{_count(errors, 'error')}, {_count(warnings, 'warning')}"
-    lines.append(f"{verdict}: exit {EXIT_FOUND_ERRORS if errors else EXIT_OK}")
-    return "\n".join(lines)
-
-
-def _comparison_table(report: DoctorReport, width: int) -> list[str]:
-    comparisons = report.comparisons
-    gradients = [comparison for comparison in comparisons if comparison.kind == "gradient"]
-    hidden = 0
-    if len(gradients) > _MAX_GRADIENT_ROWS:
-        shown = [comparison for comparison in comparisons if comparison.kind == "output" or not comparison.same]
-        hidden = len(comparisons) - len(shown)
-        comparisons = shown
-    with_notes = any(comparison.note for comparison in comparisons)
-    headers = ["what", "max abs diff", "verdict", *(["note"] if with_notes else [])]
-    rows = [
-        [
-            comparison.what,
-            "-" if comparison.max_abs_diff is None else f"{comparison.max_abs_diff:.3g}",
-            comparison.verdict,
-            *([comparison.note] if with_notes else []),
-        ]
-        for comparison in comparisons
-    ]
-    lines = _table(headers, rows, width)
-    if hidden:
-        lines.append(f"... and {hidden} more gradients, all the same (--json lists them)")
-    return lines
-
-
-def _table(
-    headers: Sequence[str], rows: Sequence[Sequence[str]], width: int, caps: Sequence[int | None] = ()
-) -> list[str]:
-    """Columns as wide as their longest cell, or ``caps[i]``; cells wrap, the last column to fit ``width``."""
-    widths = [max(len(cell) for cell in column) for column in zip(headers, *rows, strict=True)]
-    for index, cap in enumerate(caps):
-        if cap is not None:
-            widths[index] = min(widths[index], cap)
-    widths[-1] = min(widths[-1], max(40, width - sum(widths[:-1]) - 2 * (len(widths) - 1)))
-    lines = [_row(headers, widths), _row(["-" * size for size in widths], widths)]
-    for row in rows:
-        cells = [textwrap.wrap(cell, size) or [""] for cell, size in zip(row, widths, strict=True)]
-        for line in range(max(len(cell) for cell in cells)):
-            lines.append(_row([cell[line] if line < len(cell) else "" for cell in cells], widths))
-    return lines
-
-
-def _row(cells: Sequence[str], widths: Sequence[int]) -> str:
-    return "  ".join(f"{cell:<{size}}" for cell, size in zip(cells, widths, strict=True)).rstrip()
-
-
-def _count(number: int, noun: str) -> str:
-    return f"{number} {noun}{'' if number == 1 else 's'}"

@@ -1,0 +1,165 @@
+"""The doctor's two entry points: ``run_doctor`` from class names and a config, ``diagnose`` from a model and a batch.
+
+``diagnose`` runs the step twice (``runs``), compares the runs (``compare``) and gathers the findings (``findings``)
+with the structural checks of ``model_checks`` into a ``DoctorReport``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+
+from lightning_mgpu.doctor.compare import compare_runs, first_difference
+from lightning_mgpu.doctor.findings import (
+    batch_dependent_findings,
+    batchnorm_findings,
+    batchnorm_names,
+    loss_findings,
+    random_finding,
+    split_failed,
+    step_failed,
+    unused_parameter_findings,
+)
+from lightning_mgpu.doctor.inputs import DoctorError, instantiate, probe_batch, read_config, resolve
+from lightning_mgpu.doctor.report import TARGETS, DoctorReport, Target
+from lightning_mgpu.doctor.runs import DROPOUT, quiet_unattached_logging, run_reference, run_split, seed_all
+from lightning_mgpu.engine import chunk_sizes
+from lightning_mgpu.engine.scatter import batch_size_of
+from lightning_mgpu.errors import BatchSplitError
+from lightning_mgpu.model_checks import Finding, check_model
+
+
+def run_doctor(
+    model: str | None = None,
+    init_args: Mapping[str, Any] | None = None,
+    data: str | None = None,
+    data_init_args: Mapping[str, Any] | None = None,
+    config: str | Path | None = None,
+    *,
+    seed: int | None = None,
+    replicas: int = 2,
+    target: Target = "mgpu_dp",
+    atol: float = 1e-5,
+    rtol: float = 1e-4,
+) -> DoctorReport:
+    """Load the model and datamodule as ``lightning-mgpu doctor`` names them, and diagnose the first training batch.
+
+    Args:
+        model: the LightningModule class as ``package.module.ClassName`` or ``path/to/file.py:ClassName``;
+            overrides the config's ``model.class_path``.
+        init_args: the model's init args; override the config's.
+        data: the LightningDataModule class, spelt like ``model``; overrides the config's ``data.class_path``.
+        data_init_args: the datamodule's init args; override the config's.
+        config: a LightningCLI-style YAML file; its ``model:`` and ``data:`` sections are used (either
+            ``{class_path, init_args}`` or plain init args), and ``seed_everything`` is the default seed.
+        seed: seeds the model's initialisation, the probe batch and both runs; the config's ``seed_everything``,
+            else 0, when ``None``.
+        replicas: virtual replicas for the split run.
+        target: the strategy to judge the findings for.
+        atol: absolute tolerance of the comparisons.
+        rtol: relative tolerance of the comparisons.
+
+    Raises:
+        DoctorError: the inputs do not give a model and a probe batch; the message says what to pass.
+    """
+    sections = read_config(config) if config is not None else {}
+    model_class, model_args = resolve(
+        "model", model, init_args, sections.get("model"), pl.LightningModule, "--model", "--init-args"
+    )
+    data_class, data_args = resolve(
+        "data", data, data_init_args, sections.get("data"), pl.LightningDataModule, "--data", "--data-init-args"
+    )
+    if seed is None:
+        configured = sections.get("seed_everything")
+        seed = configured if isinstance(configured, int) and not isinstance(configured, bool) else 0
+    _check_options(replicas, target, atol, rtol)
+    seed_all(seed)
+    module = instantiate(model_class, model_args, "model", "--init-args")
+    datamodule = instantiate(data_class, data_args, "data", "--data-init-args")
+    batch = probe_batch(datamodule, module)
+    return diagnose(module, batch, replicas=replicas, target=target, seed=seed, atol=atol, rtol=rtol)
+
+
+def diagnose(
+    model: pl.LightningModule,
+    batch: Any,
+    *,
+    replicas: int = 2,
+    target: Target = "mgpu_dp",
+    seed: int = 0,
+    atol: float = 1e-5,
+    rtol: float = 1e-4,
+) -> DoctorReport:
+    """Check ``model`` for multi-GPU traps with ``batch`` as the probe; ``model`` itself is left untouched.
+
+    Both runs work on deep copies in training mode, with every ``nn.Dropout*`` module in eval mode so that dropout's
+    randomness does not look like a difference. When something differs, a third run with another seed tells
+    differences caused by batch-wise work from those caused by other randomness in the step.
+    """
+    _check_options(replicas, target, atol, rtol)
+    report = DoctorReport(type(model).__name__, target, replicas, seed, atol, rtol)
+    report.findings.extend(check_model(model))
+    report.findings.extend(batchnorm_findings(model, target, replicas))
+    dropouts = [name for name, module in model.named_modules() if isinstance(module, DROPOUT)]
+    if dropouts:
+        report.notes.append(
+            f"Dropout modules in eval mode in both runs, so their randomness does not count as a difference:"
+            f" {', '.join(dropouts)}."
+        )
+    try:
+        report.batch_rows = batch_size_of(batch)
+    except BatchSplitError as error:
+        report.findings.append(Finding("error", "not-splittable", "batch", str(error)))
+        return _sorted(report)
+    report.chunk_sizes = chunk_sizes(report.batch_rows, replicas)
+    if len(report.chunk_sizes) < 2:
+        report.findings.append(
+            Finding(
+                "warning",
+                "small-batch",
+                "batch",
+                f"The probe batch has {report.batch_rows} row, so one replica ran and the comparison cannot show"
+                " batch-wise work. Give the datamodule a batch size of at least the number of replicas.",
+            )
+        )
+    with quiet_unattached_logging():
+        reference = run_reference(model, batch, seed)
+        if reference.error is not None:
+            report.findings.append(step_failed(reference.error))
+            return _sorted(report)
+        split = run_split(model, batch, seed, replicas)
+    report.loss = reference.loss_path
+    report.findings.extend(loss_findings(model, reference))
+    if reference.backward_done:
+        report.findings.extend(unused_parameter_findings(reference, target))
+    if split.error is not None:
+        report.findings.append(split_failed(split.error, replicas))
+        return _sorted(report)
+    report.comparisons = compare_runs(reference, split, atol, rtol)
+    differing = [comparison for comparison in report.comparisons if not comparison.same]
+    if differing:
+        with quiet_unattached_logging():
+            reseeded = run_reference(model, batch, seed + 1)
+        random_at = first_difference(reference, reseeded, atol, rtol)
+        if random_at is not None:
+            report.findings.append(random_finding(random_at))
+        batchnorms = batchnorm_names(model)
+        report.findings.extend(batch_dependent_findings(differing, report, batchnorms, random_at is not None))
+    return _sorted(report)
+
+
+def _check_options(replicas: int, target: str, atol: float, rtol: float) -> None:
+    if replicas < 2:
+        raise DoctorError(f"--replicas {replicas} splits nothing; pass 2 or more.")
+    if target not in TARGETS:
+        raise DoctorError(f"--target {target!r} is not one of {', '.join(TARGETS)}.")
+    if atol < 0 or rtol < 0:
+        raise DoctorError(f"--atol {atol} and --rtol {rtol} must not be negative.")
+
+
+def _sorted(report: DoctorReport) -> DoctorReport:
+    report.findings.sort(key=lambda finding: finding.level != "error")
+    return report
