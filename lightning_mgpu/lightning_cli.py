@@ -13,13 +13,13 @@ import importlib
 import os
 import sys
 import time
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.strategies import Strategy
-from lightning.pytorch.utilities import rank_zero_only
 
 import lightning_mgpu  # noqa: F401 - registers mgpu_dp and mgpu_ddp before the Trainer is built
 
@@ -60,19 +60,23 @@ class MGPULightningCLI(LightningCLI):
         """Say where the predictions went."""
         self._summarise("predict")
 
-    @rank_zero_only
     def _summarise(self, subcommand: str) -> None:
-        print(summary(self.trainer, subcommand, time.monotonic() - self._started), flush=True)
+        log_dir = self.trainer.log_dir  # a collective under DDP: every rank must ask
+        if self.trainer.is_global_zero:
+            print(summary(self.trainer, subcommand, time.monotonic() - self._started, log_dir), flush=True)
 
 
-def summary(trainer: pl.Trainer, subcommand: str, seconds: float) -> str:
-    """A few lines: the final metrics, the run folder, the checkpoint to use next."""
+def summary(trainer: pl.Trainer, subcommand: str, seconds: float, log_dir: str | None) -> str:
+    """A few lines: the final metrics, the run folder and its files, the checkpoint to use next."""
     lines = [f"lightning-mgpu {subcommand}: done in {seconds:.1f} s ({trainer.global_step} training steps)"]
     metrics = {key: float(value) for key, value in trainer.callback_metrics.items() if value.numel() == 1}
     if metrics:
         lines.append("  final metrics: " + ", ".join(f"{key}={value:.4g}" for key, value in sorted(metrics.items())))
-    if trainer.log_dir:
-        lines.append(f"  run folder:    {trainer.log_dir}")
+    if log_dir:
+        lines.append(f"  run folder:    {log_dir}")
+        config = os.path.join(log_dir, "config.yaml")
+        if os.path.exists(config):
+            lines.append(f"  config.yaml:   {config}")
     for logger in trainer.loggers:
         if isinstance(logger, CSVLogger):
             lines.append(f"  metrics.csv:   {os.path.join(logger.log_dir, 'metrics.csv')}")
@@ -87,7 +91,10 @@ def run(subcommand: str, args: list[str]) -> int:
     """Run one LightningCLI subcommand; the current directory is importable, as with ``python -m``."""
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # so config class paths like examples.density.DensityModel resolve
-    MGPULightningCLI(args=[subcommand, *args])
+    with warnings.catch_warnings():
+        # LightningCLI warns when ``args`` is given while sys.argv holds arguments: here they are the same ones.
+        warnings.filterwarnings("ignore", message=".*args.* parameter is intended to run from within Python.*")
+        MGPULightningCLI(args=[subcommand, *args])
     return 0
 
 

@@ -1,14 +1,19 @@
-"""The density example end to end: its CLI and config, its model under mgpu_dp against one device, its parameters."""
+"""The examples end to end: the density model and the digits classifier, as scripts, under strategies, and the doctor.
+
+The example scripts' defaults (``python examples/density.py``, ``python examples/classifier.py``) run here in full, in
+this process; ``tests/test_cli.py`` runs the same scripts as subprocesses from another directory and under mgpu_ddp.
+"""
 
 from __future__ import annotations
 
 import csv
-import importlib.util
+import json
 import math
+import struct
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import lightning as L
@@ -16,33 +21,40 @@ import pytest
 import torch
 
 import lightning_mgpu
+from lightning_mgpu.cli import main as lightning_mgpu_main
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "configs" / "quickstart.yaml"
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # examples is a package at the repository root
+
+from examples import classifier, density  # noqa: E402
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+QUIET = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
 
 
-def _load_example() -> ModuleType:
-    # examples/ is not a package; register the module so jsonargparse and checkpoints can resolve its classes.
-    spec = importlib.util.spec_from_file_location("density_example", ROOT / "examples" / "density.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+@pytest.fixture(autouse=True)
+def _plain_argv(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["example"])  # pytest's own arguments are not the CLI's
 
 
-density = _load_example()
+def read_metrics(run_folder: Path) -> list[dict[str, str]]:
+    with open(run_folder / "metrics.csv") as metrics_file:
+        return list(csv.DictReader(metrics_file))
 
 
-class _OneDeviceDensityModel(density.DensityModel):
-    """The reference: on one device, Lightning 1.x handed each step's output straight to its ``*_step_end``."""
+def column(rows: list[dict[str, str]], name: str) -> list[float]:
+    return [float(row[name]) for row in rows if row.get(name)]
 
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        return self.training_step_end(super().training_step(batch, batch_idx))
 
-    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        return self.validation_step_end(super().validation_step(batch, batch_idx))
+def png_size(path: Path) -> tuple[int, int]:
+    """Width and height from the PNG's IHDR chunk, which must come first."""
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE, f"{path} is not a PNG"
+    length, kind, width, height = struct.unpack(">I4sII", data[8:24])
+    assert (length, kind) == (13, b"IHDR")
+    assert data.endswith(b"IEND\xaeB`\x82")  # the closing chunk: the file was written whole
+    return width, height
 
 
 def _initial_weight(model: Any, k: int) -> float:
@@ -50,79 +62,78 @@ def _initial_weight(model: Any, k: int) -> float:
     return math.log(math.expm1(1 / scale / model.filters[k + 1]))
 
 
-def test_quickstart_cli_fits_logs_and_checkpoints(tmp_path: Path) -> None:
-    cli = density.main(
-        [
-            "fit",
-            "--config",
-            str(CONFIG),
-            "--trainer.max_steps",
-            "3",
-            "--trainer.limit_train_batches",
-            "3",
-            "--trainer.limit_val_batches",
-            "2",
-            "--trainer.log_every_n_steps",
-            "1",
-            "--trainer.default_root_dir",
-            str(tmp_path),
-        ]
+# The density example
+
+
+def test_density_script_default_is_the_quickstart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)  # configs/quickstart.yaml writes to runs/quickstart under the current directory
+
+    assert density.main([]) == 0  # python examples/density.py
+
+    run_folder = tmp_path / "runs" / "quickstart" / "version_0"
+    assert f"run folder:    {Path('runs/quickstart/version_0')}" in capsys.readouterr().out
+    val_nll = column(read_metrics(run_folder), "val_nll")
+    assert len(val_nll) == 15  # max_epochs
+    assert val_nll[0] > val_nll[-1]
+    assert val_nll[-1] < 4.9  # bits; the mixture's own entropy is ~4.78, the run ends near 4.82
+    assert sorted(path.name for path in (run_folder / "checkpoints").iterdir()) == ["epoch=14-step=600.ckpt"]
+    assert png_size(run_folder / "density.png") == (700, 350)
+
+
+def _fit_density(root: Path, devices: int = 2, strategy: Any = "mgpu_dp") -> L.Trainer:
+    data = density.GaussianMixtureData(num_samples=200, num_val_samples=50, batch_size=100, seed=1)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=2, default_root_dir=root, **QUIET
     )
+    trainer.fit(density.DensityModel(), data)
+    return trainer
 
-    trainer = cli.trainer
-    assert isinstance(trainer.strategy, lightning_mgpu.DataParallelStrategy)
-    assert trainer.num_devices == 2
-    assert trainer.global_step == 3
-    for name in ("train_nll", "val_nll"):
-        value = trainer.callback_metrics[name]
-        assert value.numel() == 1
-        assert math.isfinite(value.item())
-        assert 0 < value.item() < 30  # bits per sample: ~5 for this mixture
-    assert trainer.model is cli.model  # after fit the LightningModule itself, not a wrapper
 
-    with open(Path(trainer.logger.log_dir) / "metrics.csv") as metrics_file:
-        rows = list(csv.DictReader(metrics_file))
-    train_nll = [float(row["train_nll"]) for row in rows if row.get("train_nll")]
-    val_nll = [float(row["val_nll"]) for row in rows if row.get("val_nll")]
-    assert len(train_nll) == 3
-    assert len(val_nll) == 1
-    assert all(math.isfinite(value) for value in train_nll + val_nll)
-    assert (Path(trainer.logger.log_dir) / "config.yaml").is_file()
+@pytest.mark.parametrize(("devices", "strategy"), [(1, "auto"), (2, "mgpu_dp")])
+def test_density_plot_is_drawn_into_the_run_folder(tmp_path: Path, devices: int, strategy: str) -> None:
+    _fit_density(tmp_path, devices, strategy)
 
-    checkpoints = sorted(tmp_path.rglob("*.ckpt"))
-    assert [path.name for path in checkpoints] == ["epoch=0-step=3.ckpt"]
-    state = torch.load(checkpoints[0], map_location="cpu", weights_only=False)["state_dict"]
-    assert not any(key.startswith("module.") for key in state)
-    loaded = density.DensityModel.load_from_checkpoint(checkpoints[0], map_location="cpu")
-    assert loaded.hparams.lr == cli.model.hparams.lr
-    for name, param in cli.model.named_parameters():
-        torch.testing.assert_close(loaded.get_parameter(name), param, rtol=0, atol=0)
+    assert png_size(tmp_path / "density.png") == (700, 350)  # no logger: the run folder is default_root_dir
 
-    # Three Adam steps moved every parameter off its initial value.
-    for k in range(loaded.num_layers):
-        H_k = loaded.get_parameter(f"H_{k}")
-        assert not torch.allclose(H_k, torch.full_like(H_k, _initial_weight(loaded, k)))
-        if k < loaded.num_layers - 1:
-            assert loaded.get_parameter(f"a_{k}").abs().max() > 0
+
+def test_density_plot_is_skipped_with_one_warning_without_matplotlib(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+        monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit_density(tmp_path)
+
+    about_matplotlib = [str(warning.message) for warning in caught if "matplotlib" in str(warning.message)]
+    assert about_matplotlib == [
+        'DensityPlot: matplotlib is not installed, so density.png is not drawn; pip install "lightning-mgpu[examples]"'
+        " to get it."
+    ]
+    assert not (tmp_path / "density.png").exists()
 
 
 def _fit_three_steps(
-    model: L.LightningModule, devices: int, strategy: Callable[[], Any]
+    model: L.LightningModule, devices: int, strategy: Callable[[], Any], root: Path
 ) -> tuple[dict[str, torch.Tensor], float]:
     # 7 rows on 2 replicas split 4 + 3: an uneven split, where a plain mean of replica losses would be wrong.
     data = density.GaussianMixtureData(num_samples=21, num_val_samples=9, batch_size=7, shuffle=False, seed=3)
-    quiet = {
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-    }
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy(), max_steps=3, limit_val_batches=0, **quiet
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy(),
+        max_steps=3,
+        limit_val_batches=0,
+        default_root_dir=root,
+        **QUIET,
     )
     trainer.fit(model, data)
+    assert png_size(root / "density.png") == (700, 350)  # DensityPlot: without a logger, into default_root_dir
     params = {name: param.detach().clone() for name, param in model.named_parameters()}
-    validator = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy(), **quiet)
+    validator = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy(), **QUIET)
     (metrics,) = validator.validate(model, data, verbose=False)
     return params, metrics["val_nll"]
 
@@ -132,21 +143,22 @@ def _fit_three_steps(
     [lambda: "mgpu_dp", lambda: lightning_mgpu.DataParallelStrategy()],
     ids=["name", "instance"],
 )
-def test_two_replicas_match_one_device(strategy: Callable[[], Any]) -> None:
+def test_two_replicas_match_one_device_under_the_default_strategy(strategy: Callable[[], Any], tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = density.DensityModel(hidden_filters=(3, 3))
-    reference = _OneDeviceDensityModel(hidden_filters=(3, 3))
+    reference = density.DensityModel(hidden_filters=(3, 3))  # MGPUMixin runs its *_step_end on one device too
     reference.load_state_dict(model.state_dict())
     initial = {name: param.detach().clone() for name, param in model.named_parameters()}
 
-    params, val_nll = _fit_three_steps(model, devices=2, strategy=strategy)
-    expected_params, expected_val_nll = _fit_three_steps(reference, devices=1, strategy=lambda: "auto")
+    params, val_nll = _fit_three_steps(model, devices=2, strategy=strategy, root=tmp_path / "two")
+    expected_params, expected_val_nll = _fit_three_steps(reference, 1, strategy=lambda: "auto", root=tmp_path / "one")
 
     assert params.keys() == expected_params.keys() == initial.keys()
     for name in params:
         assert not torch.equal(params[name], initial[name]), f"{name} was not trained"
         torch.testing.assert_close(params[name], expected_params[name], rtol=0, atol=1e-6, msg=name)
     assert val_nll == pytest.approx(expected_val_nll, abs=1e-6)
+    assert 0 < val_nll < 30  # bits per sample
 
 
 def test_parameters_are_registered_by_name() -> None:
@@ -203,3 +215,114 @@ def test_likelihoods_are_bounded_and_sum_to_one_over_unit_bins() -> None:
     assert likelihoods.sum().item() == pytest.approx(1.0, abs=1e-4)
     torch.testing.assert_close(far, torch.full((2,), density.LIKELIHOOD_BOUND))
     assert torch.isfinite(density.nll_bits(far))
+
+
+@pytest.mark.parametrize("example", [density, classifier])
+def test_scripts_reject_an_unknown_subcommand_with_the_usage(example: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    assert example.main(["train"]) == 2
+    name = Path(example.__file__).name
+    assert capsys.readouterr().err == f"usage: python examples/{name} [fit|validate|test|predict] [options]\n"
+
+
+# The digits classifier
+
+
+def test_digits_are_split_by_seed_into_float_images() -> None:
+    data = classifier.DigitsData(seed=0)
+    data.setup("fit")
+    assert data.train_set is not None
+    assert data.val_set is not None
+    train_images, train_labels = data.train_set.tensors
+    val_images, val_labels = data.val_set.tensors
+    assert (len(train_labels), len(val_labels)) == (1438, 359)
+    assert train_images.shape[1:] == (1, 8, 8)
+    assert train_images.dtype == torch.float32
+    assert 0 <= train_images.min() <= train_images.max() <= 1
+    # Every image in exactly one split: together the splits hold each digit as often as the dataset does.
+    from sklearn.datasets import load_digits
+
+    everything = torch.tensor(load_digits().target)
+    assert torch.equal(torch.bincount(torch.cat([train_labels, val_labels])), torch.bincount(everything))
+    assert torch.bincount(val_labels).min() > 20  # every class in the validation split
+
+    again = classifier.DigitsData(seed=0)
+    again.setup("fit")
+    assert again.val_set is not None
+    torch.testing.assert_close(again.val_set.tensors[0], val_images, rtol=0, atol=0)
+    other = classifier.DigitsData(seed=1)
+    other.setup("fit")
+    assert other.val_set is not None
+    assert not torch.equal(other.val_set.tensors[1], val_labels)
+
+    (images, labels), *_ = data.train_dataloader()
+    assert images.shape == (64, 1, 8, 8)
+    assert labels.dtype == torch.long
+
+
+def test_classifier_script_default_reaches_90_percent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)  # configs/classifier.yaml writes to runs/classifier under the current directory
+
+    assert classifier.main([]) == 0  # python examples/classifier.py
+
+    run_folder = tmp_path / "runs" / "classifier" / "version_0"
+    output = capsys.readouterr().out
+    assert "lightning-mgpu fit: done" in output
+    val_acc = column(read_metrics(run_folder), "val_acc")
+    assert len(val_acc) == 10  # max_epochs
+    assert val_acc[-1] > 0.9  # ~0.97
+    assert val_acc[-1] > val_acc[0]
+    # ModelCheckpoint(monitor="val_acc", mode="max") keeps the best epoch.
+    (checkpoint,) = (run_folder / "checkpoints").iterdir()
+    best_epoch = max(range(len(val_acc)), key=lambda epoch: (val_acc[epoch], -epoch))
+    assert checkpoint.name.startswith(f"epoch={best_epoch}-")
+
+
+def test_val_acc_counts_every_gathered_prediction_once() -> None:
+    torch.manual_seed(0)
+    model = classifier.DigitsClassifier(hidden=16)
+    data = classifier.DigitsData(batch_size=50)  # 359 images: 7 batches of 50 and one of 9, each split 2 ways
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="mgpu_dp", **QUIET)
+
+    (metrics,) = trainer.validate(model, data, verbose=False)
+
+    assert data.val_set is not None
+    images, labels = data.val_set.tensors
+    with torch.no_grad():
+        logits = model(images)
+    assert metrics["val_acc"] == pytest.approx((logits.argmax(dim=1) == labels).float().mean().item(), abs=1e-6)
+    expected_loss = torch.nn.functional.cross_entropy(logits, labels).item()
+    assert metrics["val_loss"] == pytest.approx(expected_loss, rel=1e-5)  # batch means weighted by batch size
+
+
+@pytest.mark.parametrize(
+    ("model", "exit_code"),
+    [("examples.classifier.DigitsClassifier", 0), ("examples.classifier.BatchNormDigitsClassifier", 1)],
+)
+def test_doctor_flags_batchnorm_in_the_classifier(
+    model: str, exit_code: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["doctor", "--model", model, "--data", "examples.classifier.DigitsData", "--json"]
+    assert lightning_mgpu_main(args) == exit_code
+
+    report = json.loads(capsys.readouterr().out)
+    assert report["chunk_sizes"] == [32, 32]  # the default batch of 64 on 2 virtual replicas
+    findings = {(finding["level"], finding["check"], finding["where"]) for finding in report["findings"]}
+    if exit_code == 0:
+        assert findings == set()
+        assert {comparison["verdict"] for comparison in report["comparisons"]} == {"same"}
+    else:
+        assert ("error", "batch-dependent", "output") in findings
+        assert {("warning", "batchnorm", "net.2"), ("warning", "batchnorm", "net.5")} <= findings
+        verdicts = {comparison["what"]: comparison["verdict"] for comparison in report["comparisons"]}
+        assert verdicts["output"] == "differs"
+        assert verdicts["net.1.weight.grad"] == "differs"
+
+
+def test_doctor_reads_the_classifier_config(capsys: pytest.CaptureFixture[str]) -> None:
+    assert lightning_mgpu_main(["doctor", "--config", str(ROOT / "configs" / "classifier.yaml"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["findings"] == []
+    assert report["seed"] == 0  # the config's seed_everything
+    assert report["batch_rows"] == 64

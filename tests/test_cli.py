@@ -1,0 +1,390 @@
+"""``lightning-mgpu fit|validate``, ``python examples/*.py`` and the README's snippet, driven as a user drives them.
+
+Every file in ``configs/`` runs here. ``mgpu_dp`` runs go through ``lightning_mgpu.cli.main`` in this process; every
+run that starts its own processes (``mgpu_ddp`` with 2 devices re-runs the command line, the example scripts, the
+README) is a real subprocess. Those are started together when this module's tests begin (only the ones the selected
+tests need), so they run alongside the in-process tests, and each test then waits for its own, with a timeout.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import lightning_mgpu
+from lightning_mgpu.cli import main
+from lightning_mgpu.lightning_cli import MGPULightningCLI
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+QUICKSTART = CONFIGS / "quickstart.yaml"
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # examples.density, as the CLI resolves it from the repository root
+
+LAUNCH_TIMEOUT = 240
+# One epoch of 2000 samples in batches of 250 per process: 4 steps on each of 2 ranks (one process would take 8).
+SMALL_DENSITY = ["--trainer.max_epochs", "1"]
+SMALL_DENSITY += ["--data.init_args.num_samples", "2000", "--data.init_args.num_val_samples", "500"]
+
+
+@dataclass(frozen=True)
+class Summary:
+    """The closing summary of a ``lightning-mgpu`` command, parsed."""
+
+    subcommand: str
+    steps: int
+    metrics: dict[str, float]
+    files: dict[str, Path]
+
+
+def readable(output: str, limit: int = 4000) -> str:
+    """The end of a command's output without its progress bars, for failure messages."""
+    lines = [line for line in output.replace("\r", "\n").splitlines() if line.strip() and "it/s]" not in line]
+    return "\n".join(lines)[-limit:]
+
+
+def parse_summary(output: str) -> Summary:
+    start = output.rfind("lightning-mgpu ")
+    match = re.match(r"lightning-mgpu (\w+): done in [\d.]+ s \((\d+) training steps\)", output[start:])
+    assert match, f"no closing summary in the output:\n{readable(output)}"
+    metrics: dict[str, float] = {}
+    files: dict[str, Path] = {}
+    for line in output[start:].splitlines()[1:]:
+        entry = re.match(r"  ([\w. ]+):\s+(.+)$", line)
+        if not entry:
+            break
+        key, value = entry.groups()
+        if key == "final metrics":
+            metrics = {name: float(number) for name, number in re.findall(r"(\w+)=([-+\w.]+)", value)}
+        else:
+            files[key] = Path(value)
+    return Summary(match.group(1), int(match.group(2)), metrics, files)
+
+
+def read_metrics(run_folder: Path) -> list[dict[str, str]]:
+    with open(run_folder / "metrics.csv") as metrics_file:
+        return list(csv.DictReader(metrics_file))
+
+
+def column(rows: list[dict[str, str]], name: str) -> list[float]:
+    return [float(row[name]) for row in rows if row.get(name)]
+
+
+@pytest.fixture(autouse=True)
+def _plain_argv(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["lightning-mgpu"])  # pytest's own arguments are not the CLI's
+
+
+# Commands that start their own processes, by name: the arguments after `python`, and whether they run in the
+# repository root (as `lightning-mgpu` is documented to) or elsewhere (as the example scripts may).
+LAUNCHES: dict[str, tuple[list[str], str]] = {
+    # strategy: mgpu_ddp as a string in YAML
+    "ddp_cpu.yaml": (["-m", "lightning_mgpu", "fit", "--config", "configs/ddp_cpu.yaml", *SMALL_DENSITY], "root"),
+    # strategy: {class_path: lightning_mgpu.DDPStrategy, init_args: {...}} in YAML, the GPU config moved to the CPU
+    "ddp_gpu.yaml": (
+        ["-m", "lightning_mgpu", "fit", "--config", "configs/ddp_gpu.yaml", "--trainer.accelerator", "cpu"]
+        + SMALL_DENSITY,
+        "root",
+    ),
+    # the density script with the quickstart (mgpu_dp in YAML) switched to mgpu_ddp by name on the command line
+    "examples/density.py --trainer.strategy mgpu_ddp": (
+        [str(ROOT / "examples" / "density.py"), "fit", "--config", str(QUICKSTART)]
+        + ["--trainer.strategy", "mgpu_ddp", "--trainer.devices", "2", *SMALL_DENSITY],
+        "elsewhere",
+    ),
+    # the classifier script switched to mgpu_ddp by class path on the command line
+    "examples/classifier.py --trainer.strategy lightning_mgpu.DDPStrategy": (
+        [str(ROOT / "examples" / "classifier.py"), "fit", "--config", str(CONFIGS / "classifier.yaml")]
+        + ["--trainer.strategy", "lightning_mgpu.DDPStrategy", "--trainer.devices", "2", "--trainer.max_epochs", "1"],
+        "elsewhere",
+    ),
+    "README usage": (["readme_usage.py"], "elsewhere"),
+}
+DDP_STEPS = {
+    "ddp_cpu.yaml": 4,
+    "ddp_gpu.yaml": 4,
+    "examples/density.py --trainer.strategy mgpu_ddp": 2,  # 1000 samples per rank in batches of 500
+    "examples/classifier.py --trainer.strategy lightning_mgpu.DDPStrategy": 12,  # 719 images per rank, batches of 64
+}
+
+
+@dataclass
+class Launch:
+    """One command started in the background, its output going to a file."""
+
+    process: subprocess.Popen[bytes]
+    log: Path
+    root: Path
+    deadline: float
+
+    def result(self) -> tuple[int, str]:
+        try:
+            code = self.process.wait(timeout=max(1.0, self.deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.stop()
+            pytest.fail(f"timed out after {LAUNCH_TIMEOUT} s:\n{readable(self.log.read_text())}")
+        return code, self.log.read_text()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)  # its own session: the ranks it started go with it
+            self.process.wait()
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _clean_env(port: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "PL_"))}
+    for key in ("MASTER_ADDR", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK"):
+        env.pop(key, None)
+    env.update(MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+def _readme_usage() -> str:
+    """The README's ```python block with ``Trainer(strategy="mgpu_dp"``, found by content, not by position."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.DOTALL)
+    usage = [block for block in blocks if 'Trainer(strategy="mgpu_dp"' in block]
+    assert usage, 'README.md has no ```python block with Trainer(strategy="mgpu_dp"'
+    return usage[0]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def launches(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Launch]]:
+    selected = {
+        item.callspec.params["launch"]
+        for item in request.session.items
+        if item.module is request.module and "launch" in getattr(getattr(item, "callspec", None), "params", {})
+    }
+    started: dict[str, Launch] = {}
+    for (name, (args, where)), port in zip(LAUNCHES.items(), _free_ports(len(LAUNCHES)), strict=True):
+        if name not in selected:
+            continue
+        folder = tmp_path_factory.mktemp("launch")
+        root, cwd = folder / "runs", folder / "elsewhere"
+        cwd.mkdir()
+        if name == "README usage":
+            (cwd / "readme_usage.py").write_text(
+                _readme_usage()
+                + "\nprint('strategy', type(trainer.strategy).__name__, 'devices', trainer.num_devices)"
+                + "\nprint('global_step', trainer.global_step)"
+                + "\nprint('train_mse', float(trainer.callback_metrics['train_mse']))\n"
+            )
+        else:
+            args = [*args, "--trainer.default_root_dir", str(root)]
+        log = folder / "output.log"
+        with open(log, "wb") as output:
+            process = subprocess.Popen(
+                [sys.executable, *args],
+                cwd=ROOT if where == "root" else cwd,
+                env=_clean_env(port),
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        started[name] = Launch(process, log, root, time.monotonic() + LAUNCH_TIMEOUT)
+    yield started
+    for launch in started.values():
+        launch.stop()
+
+
+# The mgpu_dp configs, run in this process: the file, its overrides, the metric to read back.
+MGPU_DP_CONFIGS = [
+    ("quickstart.yaml", [], "val_nll"),
+    ("classifier.yaml", [], "val_acc"),
+    ("dp_gpu.yaml", ["--trainer.accelerator", "cpu", "--trainer.devices", "2"], "val_nll"),  # bf16-mixed on the CPU
+]
+
+
+def test_every_config_is_run_here() -> None:
+    in_process = {config for config, _, _ in MGPU_DP_CONFIGS}
+    launched = {name for name in DDP_STEPS if name.endswith(".yaml")}
+    assert {path.name for path in CONFIGS.glob("*.yaml")} == in_process | launched
+
+
+@pytest.mark.parametrize(("config", "overrides", "metric"), MGPU_DP_CONFIGS)
+def test_mgpu_dp_configs_run(
+    config: str, overrides: list[str], metric: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cli = MGPULightningCLI(
+        args=["fit", "--config", str(CONFIGS / config), *overrides, "--trainer.fast_dev_run", "2"]
+        + ["--trainer.default_root_dir", str(tmp_path)]
+    )
+    summary = parse_summary(capsys.readouterr().out)
+
+    assert isinstance(cli.trainer.strategy, lightning_mgpu.DataParallelStrategy)
+    assert cli.trainer.num_devices == 2
+    assert summary.steps == cli.trainer.global_step == 2
+    assert math.isfinite(summary.metrics[metric])
+    assert summary.metrics[metric] == pytest.approx(cli.trainer.callback_metrics[metric].item(), rel=1e-3)
+
+
+def test_dp_gpu_config_asks_for_every_gpu_in_bf16(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "--config", str(CONFIGS / "dp_gpu.yaml"), "--print_config"])
+    assert exit_.value.code in (0, None)
+    trainer = yaml.safe_load(capsys.readouterr().out)["trainer"]
+    assert (trainer["accelerator"], trainer["devices"], trainer["strategy"]) == ("gpu", -1, "mgpu_dp")
+    assert trainer["precision"] == "bf16-mixed"
+
+
+def test_ddp_gpu_config_gives_the_strategy_by_class_path(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(CONFIGS / "ddp_gpu.yaml"), "--print_config"])
+    trainer = yaml.safe_load(capsys.readouterr().out)["trainer"]
+    assert (trainer["accelerator"], trainer["devices"]) == ("gpu", 2)
+    assert trainer["strategy"]["class_path"] == "lightning_mgpu.DDPStrategy"
+    assert trainer["strategy"]["init_args"]["find_unused_parameters"] is False
+    assert trainer["strategy"]["init_args"]["broadcast_buffers"] is False
+
+
+@pytest.mark.parametrize("launch", list(DDP_STEPS))
+def test_mgpu_ddp_runs_two_processes(launch: str, launches: dict[str, Launch]) -> None:
+    code, output = launches[launch].result()
+
+    assert code == 0, readable(output)
+    assert "Starting with 2 processes" in output
+    summary = parse_summary(output)
+    # Each rank loads its half of the training samples: half the steps of one process.
+    assert summary.steps == DDP_STEPS[launch]
+    assert summary.files["run folder"].parent == launches[launch].root
+    assert summary.files["checkpoint"].name == f"epoch=0-step={DDP_STEPS[launch]}.ckpt"
+    assert summary.files["checkpoint"].is_file()
+    metric = "val_acc" if "classifier" in launch else "val_nll"
+    assert column(read_metrics(summary.files["run folder"]), metric) == [pytest.approx(summary.metrics[metric], 1e-3)]
+    if "density" in launch:
+        assert 4 < summary.metrics["val_nll"] < 10
+        assert (summary.files["run folder"] / "density.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # rank 0's
+    if "classifier" in launch:
+        assert 0.5 < summary.metrics["val_acc"] <= 1  # one epoch: ~0.8
+
+
+def test_strategy_by_name_or_class_path_trains_alike(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    class_path_config = tmp_path / "class_path.yaml"
+    class_path_config.write_text("trainer:\n  strategy:\n    class_path: lightning_mgpu.DataParallelStrategy\n")
+    ways = {
+        "name in YAML": [],
+        "class_path in YAML": ["--config", str(class_path_config)],
+        "class path on the command line": ["--trainer.strategy", "lightning_mgpu.DataParallelStrategy"],
+    }
+    results = {}
+    for way, args in ways.items():
+        cli = MGPULightningCLI(
+            args=["fit", "--config", str(QUICKSTART), *args, "--trainer.max_steps", "3"]
+            + ["--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "2"]
+            + ["--trainer.default_root_dir", str(tmp_path / way.replace(" ", "_"))]
+        )
+        assert type(cli.trainer.strategy) is lightning_mgpu.DataParallelStrategy, way
+        assert cli.trainer.num_devices == 2
+        results[way] = (cli.trainer.callback_metrics["val_nll"].item(), cli.model.state_dict())
+    capsys.readouterr()
+
+    (val_nll, params), *others = results.values()
+    assert 4 < val_nll < 10  # bits per sample after 3 steps (the mixture's entropy is ~4.78)
+    for other_nll, other_params in others:
+        assert other_nll == pytest.approx(val_nll, abs=1e-6)
+        for name, value in params.items():
+            torch.testing.assert_close(other_params[name], value, rtol=0, atol=1e-7)
+
+
+def test_a_strategy_class_path_that_does_not_import_is_named() -> None:
+    with pytest.raises(ValueError, match=r"'lightning_mgpu\.NoSuchStrategy' is neither a registered strategy name"):
+        main(["fit", "--config", str(QUICKSTART), "--trainer.strategy", "lightning_mgpu.NoSuchStrategy"])
+
+
+def test_run_folder_holds_metrics_checkpoint_and_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    quick = [
+        "--config",
+        str(QUICKSTART),
+        "--trainer.limit_val_batches",
+        "2",
+        "--trainer.default_root_dir",
+        str(tmp_path),
+    ]
+    three_steps = ["--trainer.max_steps", "3", "--trainer.limit_train_batches", "3", "--trainer.log_every_n_steps", "1"]
+    assert main(["fit", *quick, *three_steps]) == 0
+    summary = parse_summary(capsys.readouterr().out)
+
+    run_folder = tmp_path / "version_0"
+    assert summary.subcommand == "fit"
+    assert summary.steps == 3
+    assert summary.files == {
+        "run folder": run_folder,
+        "config.yaml": run_folder / "config.yaml",
+        "metrics.csv": run_folder / "metrics.csv",
+        "checkpoint": run_folder / "checkpoints" / "epoch=0-step=3.ckpt",
+    }
+    rows = read_metrics(run_folder)
+    assert len(column(rows, "train_nll")) == 3
+    assert column(rows, "val_nll") == [pytest.approx(summary.metrics["val_nll"], rel=1e-3)]
+    assert 4 < summary.metrics["val_nll"] < 10
+    config = yaml.safe_load((run_folder / "config.yaml").read_text())
+    assert config["trainer"]["max_steps"] == 3
+    assert config["model"]["class_path"] == "examples.density.DensityModel"
+
+    state = torch.load(summary.files["checkpoint"], map_location="cpu", weights_only=False)["state_dict"]
+    assert {"H_0", "a_0", "b_0", "H_3", "b_3"} <= state.keys()  # the model's own names, no "module." prefix
+
+    # The checkpoint is the one to use next: validating it gives the final val_nll again, in a new run folder.
+    assert main(["validate", *quick, "--ckpt_path", str(summary.files["checkpoint"])]) == 0
+    validated = parse_summary(capsys.readouterr().out)
+    assert validated.subcommand == "validate"
+    assert validated.metrics["val_nll"] == pytest.approx(summary.metrics["val_nll"], abs=1e-6)
+    assert validated.files["run folder"] == tmp_path / "version_1"
+
+
+def test_print_config_round_trips(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["fit", "--config", str(QUICKSTART), "--trainer.max_steps", "2", "--model.init_args.lr", "0.01"]
+    args += ["--data.init_args.batch_size", "100", "--trainer.default_root_dir", str(tmp_path / "runs")]
+    with pytest.raises(SystemExit) as exit_:
+        main([*args, "--print_config"])
+    assert exit_.value.code in (0, None)
+    printed = capsys.readouterr().out
+    saved = tmp_path / "printed.yaml"
+    saved.write_text(printed)
+
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(saved), "--print_config"])
+    assert capsys.readouterr().out == printed
+
+    assert main(["fit", "--config", str(saved)]) == 0
+    summary = parse_summary(capsys.readouterr().out)
+    resolved = yaml.safe_load(printed)
+    assert yaml.safe_load((tmp_path / "runs" / "version_0" / "config.yaml").read_text()) == resolved
+    assert summary.steps == resolved["trainer"]["max_steps"] == 2
+    assert resolved["model"]["init_args"]["lr"] == 0.01
+    assert resolved["data"]["init_args"]["batch_size"] == 100
+
+
+@pytest.mark.parametrize("launch", ["README usage"])
+def test_readme_usage_example_runs(launch: str, launches: dict[str, Launch]) -> None:
+    code, output = launches[launch].result()
+
+    assert code == 0, readable(output)
+    assert re.search(r"^strategy DataParallelStrategy devices 2$", output, flags=re.MULTILINE)
+    assert re.search(r"^global_step 4$", output, flags=re.MULTILINE)  # 64 rows in batches of 16, one epoch
+    train_mse = float(re.search(r"^train_mse (\S+)$", output, flags=re.MULTILINE).group(1))
+    assert 0 < train_mse < 10  # targets ~ N(0, 1)
