@@ -1,0 +1,60 @@
+"""The benchmark entry point runs end to end in its quickest mode, so it cannot rot. No timing is asserted here."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ROW_NAMES = (
+    "ddp/mgpu_ddp_vs_ddp",
+    "ddp/mgpu_ddp_vs_torch",
+    "ddp/ddp_vs_torch",
+    "ddp/lightning_ms",
+    "ddp/package_ms",
+    "ddp/mgpu_ddp_vs_ddp_1proc",
+    "ddp/ddp_vs_torch_1proc",
+    "ddp/package_ms_1proc",
+    "ddp/mgpu_ddp_vs_ddp_cpu",
+    "ddp/package_cpu_us_1proc",
+    "scaling/mgpu_ddp",
+    "scaling/torch",
+    "dp/mgpu_dp_vs_single",
+    "dp/mgpu_dp_vs_single_2t",
+    "dp/engine_vs_raw",
+    "dp/single_vs_raw",
+    "dp/overhead_share",
+    "dp/engine_overhead_share",
+    "mixin/mixin_vs_single",
+    "mixin/mixin_vs_single_cpu",
+    "mixin/per_step_share",
+)
+
+
+def test_smoke_mode_writes_every_row(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "PL_"))}
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK"):
+        env.pop(key, None)
+    command = [sys.executable, "-m", "benchmarks.run", "--smoke", "--device", "cpu", "--out", str(tmp_path)]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, check=False)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["meta"]["mode"] == "smoke"
+    rows = {row["id"]: row for row in results["rows"]}
+    expected = {f"{name}/{model}" for name in ROW_NAMES for model in ("mlp", "conv")}
+    assert expected <= set(rows), sorted(expected - set(rows))
+    for row in rows.values():
+        assert row["values"], row["id"]
+        assert row["min"] <= row["median"] <= row["max"], row["id"]
+    assert {entry["variant"] for entry in results["phases"]} == {"mgpu_dp", "raw_engine"}
+    assert all(row["prototype_same_gradients"] for row in results["micro"]["replicate"])
+    assert set(results["profile_dp"]) == set(results["profile_ddp"]) == {"mlp", "conv"}
+
+    table = (tmp_path / "results.md").read_text()
+    assert "| id | what | median | min | max | target | met |" in table
+    assert all(f"| {row_id} |" in table for row_id in expected)
+    assert (tmp_path / "results.png").exists() or results["plot"].startswith("not drawn")
