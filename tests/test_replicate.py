@@ -91,3 +91,46 @@ def test_the_wrapper_times_each_phase() -> None:
         wrapper.close()
     assert set(wrapper.phase_seconds) == {"scatter", "replicate", "parallel_apply", "gather"}
     assert all(seconds > 0 for seconds in wrapper.phase_seconds.values())
+
+
+def test_the_cache_reuses_shells_but_follows_the_module() -> None:
+    from lightning_mgpu.engine.replicate import ReplicaCache
+
+    model = _model()
+    cache = ReplicaCache()
+    first = cache(model, CPU2)
+    first_body, first_rnn = first[1].body, first[1].rnn
+    first[1].scratch = "left over by a step"
+    model.note = "set between steps"
+    model.eval()
+    second = cache(model, CPU2)
+    assert second[0] is first[0], "plain modules keep their shells"
+    assert second[1].body is first_body
+    assert second[1].rnn is not first_rnn, "modules with their own replication get fresh shells"
+    assert second[1].note == "set between steps"
+    assert not second[1].training
+    assert not second[1].body[1].training
+    assert not hasattr(second[1], "scratch"), "what a replica stored does not outlive its step"
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(second[1].body(x), model.body(x))
+
+    model.body[2] = nn.Linear(4, 1)
+    third = cache(model, CPU2)
+    assert third[0] is not first[0], "a changed structure rebuilds the shells"
+    torch.testing.assert_close(third[0].body(x), model.body(x))
+
+
+def test_cached_replicas_give_the_gradients_of_fresh_ones() -> None:
+    from lightning_mgpu.engine.replicate import ReplicaCache
+
+    cache = ReplicaCache()
+    x = torch.randn(6, 3)
+    grads = []
+    for use_cache in (False, True, True):
+        model = _model()
+        replicas = cache(model, CPU2) if use_cache else replicate(model, CPU2)
+        sum(replica.body(x[3 * i : 3 * i + 3]).sum() for i, replica in enumerate(replicas)).backward()
+        grads.append([p.grad.clone() for p in model.body.parameters()])
+    for other in grads[1:]:
+        for left, right in zip(grads[0], other, strict=True):
+            torch.testing.assert_close(left, right)

@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_mgpu.engine.gather import gather
 from lightning_mgpu.engine.parallel_apply import ContextFactory, ParallelApply
-from lightning_mgpu.engine.replicate import replicate
+from lightning_mgpu.engine.replicate import ReplicaCache
 from lightning_mgpu.engine.scatter import scatter
 from lightning_mgpu.errors import ConfigurationError
 
@@ -56,6 +56,7 @@ class DataParallel(nn.Module):
         self.module = module
         self.devices = [torch.device(device) for device in devices]
         self._apply_in_threads = ParallelApply(len(self.devices))
+        self._replicate = ReplicaCache()
         self.phase_seconds: dict[str, float] = dict.fromkeys(PHASES, 0.0)
 
     @property
@@ -99,7 +100,7 @@ class DataParallel(nn.Module):
         chunks, sizes = scatter(batch, self.devices)
         devices = self.devices[: len(chunks)]
         scattered = time.perf_counter()
-        replicas = replicate(self.module, devices)
+        replicas = self._replicate(self.module, devices)
         if prepare_replica is not None:
             for index, (replica, device) in enumerate(zip(replicas, devices, strict=True)):
                 prepare_replica(replica, index, len(replicas), device)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+
+ACCELERATOR_CHECK_EVERY = 50
 
 
 class StepHealth:
@@ -19,6 +21,8 @@ class StepHealth:
     def __init__(self, strategy_name: str) -> None:
         self.strategy_name = strategy_name
         self._reported: set[str] = set()
+        self._finite: torch.Tensor | None = None
+        self._unread = 0
 
     def check_rows(self, rows: int, devices: int) -> None:
         """A batch with fewer rows than devices leaves devices idle (and changes nothing else)."""
@@ -30,10 +34,23 @@ class StepHealth:
                 " multiple of it); a smaller last batch is harmless (drop_last=True skips it).",
             )
 
-    def check_loss(self, output: Any, where: str, replica_losses: Sequence[Any] = ()) -> None:
-        """A NaN or infinite loss spoils every parameter at the next optimizer step."""
+    def check_loss(self, output: Any, where: Callable[[], str], replica_losses: Sequence[Any] = ()) -> None:
+        """A NaN or infinite loss spoils every parameter at the next optimizer step.
+
+        On accelerators the check reads the loss only every ``ACCELERATOR_CHECK_EVERY`` steps (a read waits for the
+        device), keeping a device-side flag in between, so a bad loss is reported at most that many steps late.
+        """
         loss = output.get("loss") if isinstance(output, Mapping) else output
-        if not isinstance(loss, torch.Tensor) or "loss" in self._reported or bool(torch.isfinite(loss).all()):
+        if not isinstance(loss, torch.Tensor) or "loss" in self._reported:
+            return
+        finite = torch.isfinite(loss.detach()).all()
+        if loss.device.type != "cpu":
+            self._finite = finite if self._finite is None else self._finite & finite
+            self._unread += 1
+            if self._unread < ACCELERATOR_CHECK_EVERY:
+                return
+            finite, self._finite, self._unread = self._finite, None, 0
+        if bool(finite):
             return
         culprits = [
             str(index)
@@ -43,7 +60,7 @@ class StepHealth:
         source = f"; replica(s) {', '.join(culprits)} produced it" if culprits else ""
         self._report(
             "loss",
-            f"{self.strategy_name}: the training loss is {loss.detach().flatten()[0].item()} {where}{source}. The"
+            f"{self.strategy_name}: the training loss is {loss.detach().flatten()[0].item()} {where()}{source}. The"
             " optimizer will spread it into every parameter. Check the inputs of that batch, lower the learning"
             " rate, clip gradients (Trainer(gradient_clip_val=1.0)), or find the operation with"
             " Trainer(detect_anomaly=True).",

@@ -64,7 +64,7 @@ def run_replica_step(
     if health is not None and step == "training_step":
         health.check_rows(sum(replica_outputs.sizes), len(wrapper.devices))
         losses = [_loss_of(output) for output in replica_outputs.outputs]
-        health.check_loss(result, f"at step {module.global_step}", losses)
+        health.check_loss(result, lambda: f"at step {module.global_step}", losses)
     return result
 
 

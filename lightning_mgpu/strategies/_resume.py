@@ -8,6 +8,7 @@ in the checkpoint, and on resume skip the batches already trained on and restore
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -50,9 +51,7 @@ class ResumableSampler(Sampler[int]):
         skip, self._skip = self._skip, 0
         seed, self._resume_seed = self._resume_seed, None
         indices = self._seeded_iter(seed) if self._draws_seed() else iter(self.sampler)
-        for position, index in enumerate(indices):
-            if position >= skip:
-                yield index
+        return itertools.islice(indices, skip, None) if skip else indices
 
     def _draws_seed(self) -> bool:
         return isinstance(self.sampler, RandomSampler) and self.sampler.generator is None

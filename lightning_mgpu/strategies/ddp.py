@@ -142,8 +142,7 @@ class DDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = self._step_end("training_step", super().training_step(*args, **kwargs))
-        step = self.lightning_module.global_step if self.lightning_module is not None else 0
-        self._health.check_loss(output, f"at step {step} on rank {self.global_rank}")
+        self._health.check_loss(output, self._where)
         return output
 
     @override
@@ -195,6 +194,10 @@ class DDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
             exception.args = (self._explain_unused_parameters(str(exception)),)
             return
         super().on_exception(exception)
+
+    def _where(self) -> str:
+        step = self.lightning_module.global_step if self.lightning_module is not None else 0
+        return f"at step {step} on rank {self.global_rank}"
 
     def _step_end(self, step: str, output: Any) -> Any:
         """This rank's output goes to the ``*_step_end`` hook, as the gathered output does under ``mgpu_dp``."""
