@@ -1,6 +1,7 @@
 """Micro-benchmarks of the per-step pieces that the profile points at, each against the alternative it suggests.
 
-- ``replicate``: the engine's ``replicate`` (new shells every step, as ``torch.nn.DataParallel`` does) against a
+- ``replicate``: the engine's ``replicate`` (new shells every call, as ``torch.nn.DataParallel`` does) and its
+  ``ReplicaCache`` (shells kept, refreshed every call: what ``DataParallel`` uses per step) against a
   prototype that builds the shells once and per step only refreshes the parameter aliases (and, in a safer variant,
   re-syncs each shell's attributes from its original), checked to give the same gradients; on CUDA also
   ``torch.nn.parallel.replicate``.
@@ -32,6 +33,7 @@ from benchmarks.models import ModelSpec
 from benchmarks.modules import BenchModule
 from lightning_mgpu import MGPUMixin
 from lightning_mgpu.engine import ParallelApply, replicate, weighted_mean
+from lightning_mgpu.engine.replicate import ReplicaCache
 from lightning_mgpu.hooks import call_step_end
 
 
@@ -155,6 +157,7 @@ def replicate_costs(specs: list[ModelSpec], devices: list[torch.device], repeats
         cached = CachedReplicas(module, devices)
         functions: dict[str, Callable[[], Any]] = {
             "engine_replicate": functools.partial(replicate, module, devices),
+            "engine_cache": functools.partial(ReplicaCache(), module, devices),
             "cached_refresh": cached.refresh,
             "cached_resync": functools.partial(cached.refresh, resync=True),
         }

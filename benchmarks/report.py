@@ -272,14 +272,14 @@ def _micro_markdown(micro: dict[str, Any]) -> list[str]:
     lines: list[str] = []
     if "replicate" in micro:
         lines += ["", "## Replicas: built every step vs cached (us per call, median [min, max])", "",
-                  "| model | modules | engine replicate | cached: refresh aliases | cached: + resync attributes |"
-                  " torch replicate | same gradients |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
+                  "| model | modules | built anew (engine `replicate`) | engine `ReplicaCache` (what a step uses) |"
+                  " prototype: refresh aliases | prototype: + resync attributes | torch replicate | same gradients |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
         for row in micro["replicate"]:
             timing = row["timings"]
             cells = [
                 _us(timing.get(key))
-                for key in ("engine_replicate", "cached_refresh", "cached_resync", "torch_replicate")
+                for key in ("engine_replicate", "engine_cache", "cached_refresh", "cached_resync", "torch_replicate")
             ]
             lines.append(
                 f"| {row['model']} | {row['modules']} | {' | '.join(cells)} | {row['prototype_same_gradients']} |"
