@@ -170,17 +170,18 @@ def main(args: Sequence[str] | None = None) -> int:
     No arguments run ``fit --config configs/classifier.yaml``. The model and data are given by class path before the
     user's arguments, so a config's own ``class_path`` (``BatchNormDigitsClassifier``, say) still wins.
     """
-    args = list(sys.argv[1:] if args is None else args) or list(DEFAULT_ARGS)
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))  # so examples.classifier resolves whatever the current directory
-    from lightning_mgpu.lightning_cli import SUBCOMMANDS, run
+    from lightning_mgpu.lightning_cli import run_with_classes
 
-    if args[0] not in SUBCOMMANDS:
-        usage = f"usage: python examples/{Path(__file__).name} [{'|'.join(SUBCOMMANDS)}] [options]"
-        print(usage, file=sys.stdout if args[0] in ("-h", "--help") else sys.stderr)
-        return 0 if args[0] in ("-h", "--help") else 2
-    classes = ["--model", "examples.classifier.DigitsClassifier", "--data", "examples.classifier.DigitsData"]
-    return run(args[0], [*classes, *args[1:]])
+    argv = sys.argv[1:] if args is None else args
+    return run_with_classes(
+        "examples.classifier.DigitsClassifier",
+        "examples.classifier.DigitsData",
+        argv,
+        DEFAULT_ARGS,
+        f"python examples/{Path(__file__).name}",
+    )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -96,6 +97,20 @@ def run(subcommand: str, args: list[str]) -> int:
         warnings.filterwarnings("ignore", message=".*args.* parameter is intended to run from within Python.*")
         MGPULightningCLI(args=[subcommand, *args])
     return 0
+
+
+def run_with_classes(model: str, data: str, args: Sequence[str], default_args: Sequence[str], prog: str) -> int:
+    """``prog [fit|validate|test|predict] [options]`` with the model and data preset by class path.
+
+    For scripts such as ``examples/density.py``: the presets come before ``args``, so a config's own ``class_path``
+    still wins; no arguments at all run ``default_args``.
+    """
+    args = list(args) or list(default_args)
+    if args[0] not in SUBCOMMANDS:
+        asked_for_help = args[0] in ("-h", "--help")
+        print(f"usage: {prog} [{'|'.join(SUBCOMMANDS)}] [options]", file=sys.stdout if asked_for_help else sys.stderr)
+        return 0 if asked_for_help else 2
+    return run(args[0], ["--model", model, "--data", data, *args[1:]])
 
 
 def _strategy_from_class_path(class_path: str) -> Strategy:
