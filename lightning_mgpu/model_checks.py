@@ -6,6 +6,7 @@ shown once. The doctor runs the same checks.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -61,12 +62,16 @@ def report(findings: list[Finding], strategy_name: str) -> None:
         )
 
 
-_BASELINE = frozenset(vars(nn.Module())) | frozenset(vars(pl.LightningModule())) | {"_hparams", "_hparams_initial"}
+@functools.cache
+def _baseline() -> frozenset[str]:
+    """Attribute names every module has; built on first use, not at import, since it instantiates a LightningModule."""
+    return frozenset(vars(nn.Module())) | frozenset(vars(pl.LightningModule())) | {"_hparams", "_hparams_initial"}
 
 
 def _user_attributes(module: nn.Module) -> Iterator[tuple[str, Any]]:
+    baseline = _baseline()
     for name, value in vars(module).items():
-        if name not in _BASELINE:
+        if name not in baseline:
             yield name, value
 
 
