@@ -33,6 +33,16 @@ def call_step_end(module: nn.Module, step: str, output: Any) -> Any:
     return getattr(module, STEP_END_HOOKS[step])(output)
 
 
+def claim_step_end(module: nn.Module) -> None:
+    """From now on the caller (a strategy) runs ``module``'s ``*_step_end`` hooks, not ``MGPUMixin``."""
+    module.__dict__[CALLER_RUNS_STEP_END] = True
+
+
+def release_step_end(module: nn.Module) -> None:
+    """Hand the ``*_step_end`` hooks back to ``MGPUMixin``, for any other strategy that runs the module later."""
+    module.__dict__.pop(CALLER_RUNS_STEP_END, None)
+
+
 @contextmanager
 def caller_runs_step_end(module: nn.Module) -> Iterator[None]:
     """Within this context, whoever calls ``module``'s steps calls the ``*_step_end`` hooks (strategy or doctor).
@@ -41,7 +51,7 @@ def caller_runs_step_end(module: nn.Module) -> Iterator[None]:
     strategies.
     """
     previous = module.__dict__.get(CALLER_RUNS_STEP_END, False)
-    module.__dict__[CALLER_RUNS_STEP_END] = True
+    claim_step_end(module)
     try:
         yield
     finally:

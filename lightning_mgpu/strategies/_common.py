@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from lightning_mgpu._lightning_private import restore_training_results, training_results_state, with_sampler
 from lightning_mgpu.checks import check_devices_exist
-from lightning_mgpu.hooks import CALLER_RUNS_STEP_END
+from lightning_mgpu.hooks import claim_step_end, release_step_end
 from lightning_mgpu.model_checks import check_model, report
 from lightning_mgpu.strategies._resume import STATE_KEY, ResumableSampler, rng_states, set_rng_states
 
@@ -45,13 +45,13 @@ class MGPUStrategyMixin:
         """Check the model for multi-GPU traps before fitting, and take over calling its ``*_step_end`` hooks."""
         if trainer.state.fn == TrainerFn.FITTING:
             report(check_model(module), self.strategy_name)
-        module.__dict__[CALLER_RUNS_STEP_END] = True
+        claim_step_end(module)
 
     @staticmethod
     def _release_module(module: pl.LightningModule | None) -> None:
         """Hand ``*_step_end`` back to ``MGPUMixin``, so the module runs under any other strategy afterwards."""
         if module is not None:
-            module.__dict__.pop(CALLER_RUNS_STEP_END, None)
+            release_step_end(module)
 
     def process_dataloader(self, dataloader: object) -> object:
         """Wrap the training sampler so a mid-epoch checkpoint can resume on exactly the remaining samples."""
