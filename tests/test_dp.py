@@ -8,6 +8,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from torch import nn
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from models import (
     Regressor,
@@ -55,7 +56,7 @@ def test_replicas_run_in_their_own_threads_with_their_index() -> None:
     class Recorder(Regressor):
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             seen.append((self.replica_index, self.num_replicas, threading.current_thread().name, self.device))
-            assert list(torch.nn.Module.named_parameters(self)) == [], "replicas own no parameters, as on GPUs"
+            assert all(not p.is_leaf for p in self.parameters()), "replica parameters are aliases of the originals"
             return super().training_step(batch, batch_idx)
 
     _fit(Recorder(), 10, devices=2, strategy="mgpu_dp", max_steps=1)
@@ -423,11 +424,70 @@ def test_the_wrapped_model_can_be_deep_copied() -> None:
     copied.close()
 
 
-def test_parameters_inside_a_replica_explain_the_fix() -> None:
-    class Penalised(Regressor):
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            device = next(self.parameters()).device
-            return super().training_step(batch, batch_idx).to(device)
+class _Penalised(Regressor):
+    """A weight penalty over a submodule's parameters, computed inside the step."""
 
-    with pytest.raises(RuntimeError, match=r"self.parameters\(\) was called inside a replica.*x.device, x.dtype"):
-        _fit(Penalised(), 4, devices=2, strategy="mgpu_dp", max_steps=1)
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        assert next(self.net.parameters()).device == self.device
+        penalty = sum(p.pow(2).sum() for p in self.net[0].parameters()) + sum(
+            p.abs().sum() for _, p in self.net.named_parameters()
+        )
+        self.log("penalty", penalty)
+        return super().training_step(batch, batch_idx) + 0.01 * penalty
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_weight_penalty_over_a_submodule_inside_the_step_is_exact(devices: int) -> None:
+    single, parallel = _Penalised(), _Penalised()
+    single_trainer = _fit(single, 5, max_steps=3)
+    parallel_trainer = _fit(parallel, 5, max_steps=3, devices=devices, strategy="mgpu_dp")
+    assert_same_parameters(parameters(single), parameters(parallel))
+    torch.testing.assert_close(
+        parallel_trainer.callback_metrics["penalty"], single_trainer.callback_metrics["penalty"], atol=1e-6, rtol=0
+    )
+    assert single_trainer.callback_metrics["penalty"] > 1.0
+
+
+def test_stop_iteration_in_a_step_stops_training_with_an_error() -> None:
+    class Exhausted(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            next(iter(nn.Identity().parameters()))
+            return super().training_step(batch, batch_idx)
+
+    with pytest.raises(RuntimeError, match=r"StopIteration was raised inside replica 0 on cpu.*next\(\)"):
+        _fit(Exhausted(), 4, devices=2, strategy="mgpu_dp", max_steps=1)
+
+
+class _Counting(Regressor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("steps", torch.zeros(()))
+        self.register_buffer("seen", torch.zeros(()))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.steps = self.steps + 1
+        self.seen.add_(1)
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_buffer_reassigned_in_the_step_is_kept_like_one_updated_in_place() -> None:
+    single, parallel = _Counting(), _Counting()
+    _fit(single, 5, max_steps=4)
+    _fit(parallel, 5, max_steps=4, devices=3, strategy="mgpu_dp")
+    assert single.steps.item() == parallel.steps.item() == 4.0
+    assert single.seen.item() == parallel.seen.item() == 4.0
+    assert_same_parameters(parameters(single), parameters(parallel))
+
+
+def test_attributes_assigned_in_a_replica_are_named_in_a_warning() -> None:
+    class Remembering(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.last_x = batch[0]
+            self.net[0].calls = 1
+            return super().training_step(batch, batch_idx)
+
+    model = Remembering()
+    with pytest.warns(UserWarning, match=r"assigned self\.last_x, self\.net\.0\.calls inside the replicas.*discarded"):
+        _fit(model, 4, devices=2, strategy="mgpu_dp", max_steps=2)
+    assert not hasattr(model, "last_x")
+    assert not hasattr(model.net[0], "calls")

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
+
+import pytest
 import torch
 from torch import nn
 
@@ -9,6 +13,7 @@ from lightning_mgpu import DataParallel
 from lightning_mgpu.engine import replicate
 
 CPU2 = [torch.device("cpu")] * 2
+replicate_module = importlib.import_module("lightning_mgpu.engine.replicate")
 
 
 def _model() -> nn.Module:
@@ -22,10 +27,17 @@ def _model() -> nn.Module:
     return model
 
 
-def test_replicas_own_no_parameters_and_gradients_reach_the_originals() -> None:
+def test_replica_parameters_are_aliases_and_gradients_reach_the_originals() -> None:
     model = _model()
     replicas = replicate(model, CPU2)
-    assert all(list(replica.parameters()) == [] for replica in replicas)
+    originals = dict(model.named_parameters())
+    for replica in replicas:
+        own = dict(replica.named_parameters())
+        assert own.keys() == originals.keys()
+        assert all(not tensor.is_leaf and tensor._base is originals[name] for name, tensor in own.items())
+        assert [name for name, _ in replica.body.named_parameters()] == ["0.weight", "0.bias", "1.weight", "1.bias",
+                                                                         "2.weight", "2.bias"]
+        assert next(replica.rnn.parameters()).device == torch.device("cpu")
     x = torch.randn(6, 3)
     loss = sum(replica.body(x[3 * i : 3 * i + 3]).sum() for i, replica in enumerate(replicas))
     loss = loss + sum((p * p).sum() for p in replicas[1].extra) + (replicas[0].H_1 * 3).sum()
@@ -134,3 +146,158 @@ def test_cached_replicas_give_the_gradients_of_fresh_ones() -> None:
     for other in grads[1:]:
         for left, right in zip(grads[0], other, strict=True):
             torch.testing.assert_close(left, right)
+
+
+def _grads(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad.to_dense() for name, p in module.named_parameters() if p.grad is not None}
+
+
+def _assert_like_one_device(
+    make: Callable[[], nn.Module], x: torch.Tensor, devices: int = 2
+) -> tuple[nn.Module, torch.Tensor]:
+    """Forward and backward through ``devices`` replicas give the output and gradients of the module itself."""
+    torch.manual_seed(0)
+    single = make()
+    torch.manual_seed(0)
+    parallel = make()
+    expected = single(x)
+    expected.sum().backward()
+    wrapper = DataParallel(parallel, [torch.device("cpu")] * devices)
+    try:
+        output = wrapper(x)
+        output.sum().backward()
+    finally:
+        wrapper.close()
+    torch.testing.assert_close(output, expected, atol=1e-6, rtol=0)
+    ours, theirs = _grads(single), _grads(parallel)
+    assert ours.keys() == theirs.keys() and ours
+    for name in ours:
+        # Gradients are sums over the batch, so they are compared relative to their size.
+        scale = max(1.0, float(ours[name].abs().max()))
+        torch.testing.assert_close(theirs[name], ours[name], atol=1e-6 * scale, rtol=0, msg=f"gradient of {name}")
+    return parallel, output
+
+
+class _Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x)) * 2
+
+
+class _Outer(nn.Module):
+    def __init__(self, encoder: nn.Module) -> None:
+        super().__init__()
+        self.enc = encoder
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.enc(x) + 1
+
+
+@pytest.mark.parametrize("form", ["torch.compile(module)", "module.compile()"])
+def test_compiled_submodules_run_their_own_replica_and_leave_the_module_whole(
+    form: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def make() -> nn.Module:
+        encoder = _Encoder()
+        if form == "module.compile()":
+            encoder.compile(backend="eager")
+            return _Outer(encoder)
+        return _Outer(torch.compile(encoder, backend="eager"))
+
+    parallel, _ = _assert_like_one_device(make, torch.randn(5, 4))
+    encoder = parallel.enc._orig_mod if form == "torch.compile(module)" else parallel.enc
+    assert [name for name, _ in parallel.named_parameters()] == [
+        f"enc.{'_orig_mod.' if form == 'torch.compile(module)' else ''}linear.{kind}" for kind in ("weight", "bias")
+    ]
+    assert [type(child).__name__ for child in encoder.modules()] == ["_Encoder", "Linear"]
+    # Replicas whose weights differ from the module's, as copies on other GPUs may: a replica that ran the module
+    # itself would return the module's output instead of its own.
+    monkeypatch.setattr(replicate_module, "_parameter_alias", lambda param, device: param * 0)
+    replicas = replicate(parallel, CPU2)
+    torch.testing.assert_close(replicas[1](torch.randn(3, 4)), torch.ones(3, 4))
+
+
+def test_a_compiled_call_that_cannot_be_rebound_runs_uncompiled_with_a_warning() -> None:
+    from lightning_mgpu.engine import _torch_private
+
+    encoder = _Encoder()
+    encoder.compile(backend="eager")
+    assert _torch_private.recompile_call(_torch_private.compiled_call(encoder), _Encoder()) is not None
+    encoder.__dict__["_compiled_call_impl"] = lambda *args: encoder._call_impl(*args)  # no compile context inside
+    with pytest.warns(UserWarning, match=r"_Encoder was compiled in place.*run it uncompiled.*torch.compile\(module\)"):
+        replicas = replicate(encoder, CPU2)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(replicas[1](x), torch.tanh(encoder.linear(x)) * 2)
+
+
+def test_sparse_embedding_gradients_are_those_of_one_device() -> None:
+    def make() -> nn.Module:
+        return nn.Sequential(nn.Embedding(10, 3, sparse=True), nn.Flatten(), nn.Linear(6, 1))
+
+    parallel, _ = _assert_like_one_device(make, torch.tensor([[1, 2], [2, 3], [9, 1], [4, 4], [0, 2]]), devices=3)
+    assert parallel[0].weight.grad.is_sparse
+
+
+@pytest.mark.parametrize("kind", [nn.LSTM, nn.GRU, nn.RNN])
+def test_recurrent_replicas_use_their_own_flat_weights(kind: type[nn.RNNBase]) -> None:
+    def make() -> nn.Module:
+        rnn = kind(3, 4, num_layers=2, bidirectional=True, batch_first=True)
+        return nn.Sequential(rnn, _First())
+
+    _assert_like_one_device(make, torch.randn(5, 6, 3), devices=3)
+    replica = replicate(make(), CPU2)[1][0]
+    assert [w is getattr(replica, name) for w, name in zip(replica._flat_weights, replica._flat_weights_names)] == [
+        True
+    ] * len(replica._flat_weights_names)
+
+
+class _First(nn.Module):
+    def forward(self, output: tuple[torch.Tensor, object]) -> torch.Tensor:
+        return output[0]
+
+
+def test_tied_weights_stay_one_tensor_in_a_replica() -> None:
+    model = nn.Module()
+    model.embed = nn.Embedding(5, 3)
+    model.out = nn.Linear(3, 5, bias=False)
+    model.out.weight = model.embed.weight
+    replica = replicate(model, CPU2)[1]
+    assert replica.out.weight is replica.embed.weight
+    assert len(list(replica.parameters())) == len(list(model.parameters())) == 1
+
+
+def test_weight_norm_and_parametrizations_replicate_exactly() -> None:
+    def make() -> nn.Module:
+        return nn.Sequential(
+            nn.utils.weight_norm(nn.Linear(4, 4)),
+            nn.utils.parametrizations.weight_norm(nn.Linear(4, 4)),
+            nn.utils.parametrizations.orthogonal(nn.Linear(4, 4)),
+            nn.utils.spectral_norm(nn.Linear(4, 2)),
+        )
+
+    _assert_like_one_device(make, torch.randn(5, 4), devices=3)
+
+
+def test_a_buffer_reassigned_by_replica_0_is_kept() -> None:
+    class Counter(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("calls", torch.zeros(()))
+            self.linear = nn.Linear(2, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls = self.calls + 1
+            return self.linear(x)
+
+    model = Counter()
+    wrapper = DataParallel(model, CPU2)
+    try:
+        for _ in range(3):
+            wrapper(torch.randn(4, 2))
+    finally:
+        wrapper.close()
+    assert model.calls.item() == 3.0
+    assert "calls" in dict(model.named_buffers())

@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_mgpu.engine.gather import gather
 from lightning_mgpu.engine.parallel_apply import ContextFactory, ParallelApply
-from lightning_mgpu.engine.replicate import ReplicaCache
+from lightning_mgpu.engine.replicate import ReplicaCache, keep_reassigned_buffers
 from lightning_mgpu.engine.scatter import scatter
 from lightning_mgpu.errors import ConfigurationError
 
@@ -95,6 +95,8 @@ class DataParallel(nn.Module):
             context: entered in each replica thread around the call, as ``context(index, device)``.
             prepare_replica: called as ``prepare_replica(replica, index, num_replicas, device)`` before the call,
                 in the calling thread.
+
+        Buffers that replica 0 reassigned are stored on the module afterwards, as its in-place updates are.
         """
         started = time.perf_counter()
         chunks, sizes = scatter(batch, self.devices)
@@ -111,6 +113,7 @@ class DataParallel(nn.Module):
         ]
         replicated = time.perf_counter()
         outputs = self._apply_in_threads(calls, devices, context)
+        keep_reassigned_buffers(self.module, replicas[0])
         applied = time.perf_counter()
         self.phase_seconds["scatter"] += scattered - started
         self.phase_seconds["replicate"] += replicated - scattered

@@ -146,4 +146,12 @@ def _run_replica(
     context: ContextFactory | None,
 ) -> Any:
     with state.enter(index, device), context(index, device) if context else contextlib.nullcontext():
-        return call()
+        try:
+            return call()
+        except StopIteration as stop:
+            # Returned to a caller that iterates (Lightning's loops do), it would end the iteration silently.
+            raise RuntimeError(
+                f"StopIteration was raised inside replica {index} on {device}, for example by next() on an empty"
+                " iterator such as next(iter(module.parameters())) of a module without parameters. Check the call"
+                " that raised it (see the traceback above)."
+            ) from stop

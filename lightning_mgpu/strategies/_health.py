@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -66,7 +67,37 @@ class StepHealth:
             " Trainer(detect_anomaly=True).",
         )
 
+    def wants(self, kind: str) -> bool:
+        """Whether a problem of ``kind`` has not been reported yet, so a costly check is still worth running."""
+        return kind not in self._reported
+
+    def check_assigned(self, paths: Sequence[str], step: str) -> None:
+        """Attributes a replica assigned live on that replica only and are gone when the step ends."""
+        if paths:
+            listed = ", ".join(f"self.{path}" for path in paths[:5]) + (" ..." if len(paths) > 5 else "")
+            self._report(
+                "attributes",
+                f"{self.strategy_name}: {step} assigned {listed} inside the replicas. Each replica is a copy that"
+                " lives for one step, so these values are discarded and the module keeps what it had before the"
+                " step (as with torch.nn.DataParallel). Return the values from the step instead (they are"
+                " gathered for the *_step_end hook, where self is the module itself), or register a buffer and"
+                " update it in place.",
+            )
+
     def _report(self, kind: str, message: str) -> None:
         if kind not in self._reported:
             self._reported.add(kind)
             warnings.warn(message, UserWarning, stacklevel=4)
+
+
+@contextmanager
+def stop_iteration_is_an_error(step: str) -> Iterator[None]:
+    """Turn a ``StopIteration`` escaping ``step`` into an error; Lightning's loops would take it for the end of data."""
+    try:
+        yield
+    except StopIteration as stop:
+        raise RuntimeError(
+            f"StopIteration was raised inside {step}, for example by next() on an empty iterator such as"
+            " next(iter(module.parameters())) of a module without parameters. Training would have ended silently;"
+            " check the call that raised it (see the traceback above)."
+        ) from stop

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from lightning_mgpu.engine import DataParallel, ReplicaOutputs, weighted_mean
+from lightning_mgpu.engine.replicate import assigned_attributes
 from lightning_mgpu.errors import ConfigurationError
 from lightning_mgpu.hooks import call_step_end, has_step_end
 from lightning_mgpu.strategies._health import StepHealth
@@ -54,6 +55,9 @@ def run_replica_step(
     for log, rows in zip(logs, replica_outputs.sizes, strict=True):
         log.rows = rows
     replay(logs, module, wrapper.root_device)
+    if health is not None and health.wants("attributes"):
+        assigned = assigned_attributes(module, replica_outputs.replicas[0], _SET_BY_PREPARE)
+        health.check_assigned(assigned, step)
     gathered = wrapper.gather(replica_outputs.outputs)
     if has_step_end(module, step):
         result = call_step_end(module, step, gathered)
@@ -72,6 +76,9 @@ def _loss_of(output: Any) -> Any:
     return output.get("loss") if isinstance(output, dict) else output
 
 
+_SET_BY_PREPARE = frozenset({"replica_index", "num_replicas", "manual_backward", "log"})
+
+
 def prepare_replica(replica: nn.Module, index: int, num_replicas: int, device: torch.device) -> ReplicaLog:
     setattr(replica, "replica_index", index)  # noqa: B010 - nn.Module's typed __setattr__ rejects an int
     setattr(replica, "num_replicas", num_replicas)  # noqa: B010
@@ -81,8 +88,6 @@ def prepare_replica(replica: nn.Module, index: int, num_replicas: int, device: t
             # replica's copy must name the replica's device. The only write to it; tests/test_dp.py checks it.
             setattr(submodule, "_device", device)  # noqa: B010
     setattr(replica, "manual_backward", _refuse_manual_backward)  # noqa: B010
-    setattr(replica, "parameters", _refuse_parameters)  # noqa: B010
-    setattr(replica, "named_parameters", _refuse_parameters)  # noqa: B010
     log = ReplicaLog(index, rows=0)
     setattr(replica, "log", log)  # noqa: B010 - an instance attribute shadows LightningModule.log
     return log
@@ -93,16 +98,6 @@ def _refuse_manual_backward(*args: Any, **kwargs: Any) -> None:
         "self.manual_backward() was called inside a replica under mgpu_dp. Each replica sees only its chunk, so"
         " its backward would weigh the chunks wrongly. Return the per-sample values (or the chunk loss) from"
         " training_step and call self.manual_backward() on the combined loss in training_step_end."
-    )
-
-
-def _refuse_parameters(*args: Any, **kwargs: Any) -> None:
-    raise RuntimeError(
-        "self.parameters() was called inside a replica under mgpu_dp. Replicas own no parameters (as with"
-        " torch.nn.DataParallel, their weights are views of the originals), so next(self.parameters()) would raise"
-        " StopIteration and a sum over them would be silently 0. Take the device and dtype from the inputs"
-        " (x.device, x.dtype) or use self.device; compute terms over the parameters, such as weight penalties,"
-        " in training_step_end, where self is the original module."
     )
 
 

@@ -20,7 +20,7 @@ from typing_extensions import override
 from lightning_mgpu._lightning_private import with_sampler
 from lightning_mgpu.hooks import call_step_end
 from lightning_mgpu.strategies._common import MGPUStrategyMixin
-from lightning_mgpu.strategies._health import StepHealth
+from lightning_mgpu.strategies._health import StepHealth, stop_iteration_is_an_error
 from lightning_mgpu.strategies.samplers import EvenlyShardedSampler, is_padding_sampler
 
 _EVALUATION_STAGES = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING)
@@ -141,21 +141,25 @@ class DDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = self._step_end("training_step", super().training_step(*args, **kwargs))
+        with stop_iteration_is_an_error("training_step"):
+            output = self._step_end("training_step", super().training_step(*args, **kwargs))
         self._health.check_loss(output, self._where)
         return output
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step_end("validation_step", self._evaluate("validation_step", args, kwargs))
+        with stop_iteration_is_an_error("validation_step"):
+            return self._step_end("validation_step", self._evaluate("validation_step", args, kwargs))
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step_end("test_step", self._evaluate("test_step", args, kwargs))
+        with stop_iteration_is_an_error("test_step"):
+            return self._step_end("test_step", self._evaluate("test_step", args, kwargs))
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step_end("predict_step", super().predict_step(*args, **kwargs))
+        with stop_iteration_is_an_error("predict_step"):
+            return self._step_end("predict_step", super().predict_step(*args, **kwargs))
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:

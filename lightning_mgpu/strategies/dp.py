@@ -18,7 +18,7 @@ from typing_extensions import override
 from lightning_mgpu.engine import DataParallel
 from lightning_mgpu.errors import ConfigurationError
 from lightning_mgpu.strategies._common import MGPUStrategyMixin
-from lightning_mgpu.strategies._health import StepHealth
+from lightning_mgpu.strategies._health import StepHealth, stop_iteration_is_an_error
 from lightning_mgpu.strategies._replica_step import run_replica_step
 
 
@@ -193,4 +193,5 @@ class DataParallelStrategy(MGPUStrategyMixin, ParallelStrategy):
         assert module is not None
         if not isinstance(wrapper, DataParallel):
             raise ConfigurationError(f"{step} was called before the mgpu_dp strategy was set up by a Trainer.")
-        return run_replica_step(wrapper, module, step, args, kwargs, precision_context, self._health)
+        with stop_iteration_is_an_error(step):
+            return run_replica_step(wrapper, module, step, args, kwargs, precision_context, self._health)
