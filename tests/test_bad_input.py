@@ -223,9 +223,9 @@ CASES: dict[str, Case] = {
         ),
         RuntimeError, None, r"manual_backward\(\) was called inside a replica.*training_step_end",
     ),
-    "self.parameters() in a replica": Case(
-        lambda: _fit_dp(_model(training_step=lambda self, batch, i: next(self.parameters()).sum())), RuntimeError,
-        None, r"self.parameters\(\) was called inside a replica.*x.device, x.dtype",
+    "StopIteration in a replica": Case(
+        lambda: _fit_dp(_model(training_step=lambda self, batch, i: next(iter(nn.Identity().parameters())))),
+        RuntimeError, None, r"StopIteration was raised inside replica 0 on cpu.*next\(\)",
     ),
     "dataloader_iter step under mgpu_dp": Case(
         lambda: _fit_dp(_model(training_step=lambda self, dataloader_iter: next(dataloader_iter)[0][0].sum())),

@@ -8,7 +8,6 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from torch import nn
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from models import (
     Regressor,
@@ -19,6 +18,7 @@ from models import (
     regression_data,
     trainer,
 )
+from torch import nn
 
 import lightning_mgpu
 from lightning_mgpu import DataParallelStrategy
@@ -491,3 +491,30 @@ def test_attributes_assigned_in_a_replica_are_named_in_a_warning() -> None:
         _fit(model, 4, devices=2, strategy="mgpu_dp", max_steps=2)
     assert not hasattr(model, "last_x")
     assert not hasattr(model.net[0], "calls")
+
+
+def _attribute_names(model: nn.Module) -> dict[str, list[str]]:
+    return {name: sorted(vars(module)) for name, module in model.named_modules()}
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["fit-succeeds", "fit-fails"])
+def test_fit_leaves_the_module_with_the_attributes_one_device_leaves(fails: bool) -> None:
+    class Failing(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if fails and batch_idx == 1:
+                raise ValueError("bad batch")
+            return super().training_step(batch, batch_idx)
+
+    names = []
+    for strategy in ("auto", "mgpu_dp"):
+        model = Failing()
+        devices = 1 if strategy == "auto" else 2
+        if fails:
+            with pytest.raises(ValueError, match="bad batch"):
+                _fit(model, 5, max_steps=2, devices=devices, strategy=strategy)
+        else:
+            _fit(model, 5, max_steps=2, devices=devices, strategy=strategy)
+        names.append(_attribute_names(model))
+        assert not hasattr(model, "replica_index")
+        assert not hasattr(model, "num_replicas")
+    assert names[0] == names[1]

@@ -35,8 +35,14 @@ def test_replica_parameters_are_aliases_and_gradients_reach_the_originals() -> N
         own = dict(replica.named_parameters())
         assert own.keys() == originals.keys()
         assert all(not tensor.is_leaf and tensor._base is originals[name] for name, tensor in own.items())
-        assert [name for name, _ in replica.body.named_parameters()] == ["0.weight", "0.bias", "1.weight", "1.bias",
-                                                                         "2.weight", "2.bias"]
+        assert [name for name, _ in replica.body.named_parameters()] == [
+            "0.weight",
+            "0.bias",
+            "1.weight",
+            "1.bias",
+            "2.weight",
+            "2.bias",
+        ]
         assert next(replica.rnn.parameters()).device == torch.device("cpu")
     x = torch.randn(6, 3)
     loss = sum(replica.body(x[3 * i : 3 * i + 3]).sum() for i, replica in enumerate(replicas))
@@ -170,7 +176,8 @@ def _assert_like_one_device(
         wrapper.close()
     torch.testing.assert_close(output, expected, atol=1e-6, rtol=0)
     ours, theirs = _grads(single), _grads(parallel)
-    assert ours.keys() == theirs.keys() and ours
+    assert ours
+    assert ours.keys() == theirs.keys()
     for name in ours:
         # Gradients are sums over the batch, so they are compared relative to their size.
         scale = max(1.0, float(ours[name].abs().max()))
@@ -249,9 +256,10 @@ def test_recurrent_replicas_use_their_own_flat_weights(kind: type[nn.RNNBase]) -
 
     _assert_like_one_device(make, torch.randn(5, 6, 3), devices=3)
     replica = replicate(make(), CPU2)[1][0]
-    assert [w is getattr(replica, name) for w, name in zip(replica._flat_weights, replica._flat_weights_names)] == [
-        True
-    ] * len(replica._flat_weights_names)
+    names = replica._flat_weights_names
+    assert [w is getattr(replica, name) for w, name in zip(replica._flat_weights, names, strict=True)] == [True] * len(
+        names
+    )
 
 
 class _First(nn.Module):

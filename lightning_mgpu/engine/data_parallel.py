@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_mgpu.engine.batchnorm import ReplicaRendezvous, batchnorm_paths, synchronise
 from lightning_mgpu.engine.gather import gather
 from lightning_mgpu.engine.parallel_apply import ContextFactory, ParallelApply
 from lightning_mgpu.engine.replicate import ReplicaCache, keep_reassigned_buffers
@@ -47,9 +48,13 @@ class DataParallel(nn.Module):
     Args:
         module: the module to replicate; it must live on ``devices[0]``.
         devices: one entry per replica; the first is the root device that outputs are gathered on.
+        sync_batchnorm: BatchNorm layers that normalise by batch statistics use the statistics of the whole batch,
+            exchanged between the replicas, so they compute what one device computes (see
+            ``lightning_mgpu.engine.batchnorm``); ``False`` normalises each chunk by its own statistics, as
+            ``torch.nn.DataParallel`` does.
     """
 
-    def __init__(self, module: nn.Module, devices: Sequence[torch.device]) -> None:
+    def __init__(self, module: nn.Module, devices: Sequence[torch.device], sync_batchnorm: bool = True) -> None:
         super().__init__()
         if not devices:
             raise ConfigurationError("DataParallel needs at least one device; pass devices=[torch.device('cpu')].")
@@ -57,6 +62,8 @@ class DataParallel(nn.Module):
         self.devices = [torch.device(device) for device in devices]
         self._apply_in_threads = ParallelApply(len(self.devices))
         self._replicate = ReplicaCache()
+        self.sync_batchnorm = sync_batchnorm
+        self._batchnorms: tuple[object, list[tuple[int, str]]] = (None, [])
         self.phase_seconds: dict[str, float] = dict.fromkeys(PHASES, 0.0)
 
     @property
@@ -106,10 +113,11 @@ class DataParallel(nn.Module):
         if prepare_replica is not None:
             for index, (replica, device) in enumerate(zip(replicas, devices, strict=True)):
                 prepare_replica(replica, index, len(replicas), device)
+        rendezvous = self._synchronise_batchnorms(replicas)
         extra_kwargs = kwargs or {}
         calls = [
-            _bind(getattr(replica, method), chunk, args, extra_kwargs)
-            for replica, chunk in zip(replicas, chunks, strict=True)
+            _bind(getattr(replica, method), chunk, args, extra_kwargs, index, rendezvous)
+            for index, (replica, chunk) in enumerate(zip(replicas, chunks, strict=True))
         ]
         replicated = time.perf_counter()
         outputs = self._apply_in_threads(calls, devices, context)
@@ -119,6 +127,19 @@ class DataParallel(nn.Module):
         self.phase_seconds["replicate"] += replicated - scattered
         self.phase_seconds["parallel_apply"] += applied - replicated
         return ReplicaOutputs(outputs, sizes, replicas)
+
+    def _synchronise_batchnorms(self, replicas: list[nn.Module]) -> ReplicaRendezvous | None:
+        if not self.sync_batchnorm or len(replicas) < 2:
+            return None
+        structure = self._replicate.structure
+        if self._batchnorms[0] is not structure:
+            self._batchnorms = (structure, batchnorm_paths(self.module))
+        layers = self._batchnorms[1]
+        if not layers:
+            return None
+        rendezvous = ReplicaRendezvous(len(replicas))
+        synchronise(replicas, layers, rendezvous)
+        return rendezvous
 
     def close(self) -> None:
         """Stop the replica threads."""
@@ -134,8 +155,28 @@ class DataParallel(nn.Module):
             return getattr(modules["module"], name)
 
 
-def _bind(function: Callable[..., Any], chunk: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Callable[[], Any]:
-    def call() -> Any:
-        return function(chunk, *args, **kwargs)
+def _bind(
+    function: Callable[..., Any],
+    chunk: Any,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    index: int,
+    rendezvous: ReplicaRendezvous | None,
+) -> Callable[[], Any]:
+    if rendezvous is None:
 
-    return call
+        def call() -> Any:
+            return function(chunk, *args, **kwargs)
+
+        return call
+
+    def call_in_rendezvous() -> Any:
+        try:
+            result = function(chunk, *args, **kwargs)
+        except BaseException as error:
+            rendezvous.abort(error)
+            raise
+        rendezvous.finish(index)
+        return result
+
+    return call_in_rendezvous

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from lightning_mgpu.engine.batchnorm import RendezvousAborted
+
 ContextFactory = Callable[[int, torch.device], AbstractContextManager[Any]]
 
 
@@ -57,7 +59,9 @@ class ParallelApply:
             except BaseException as caught:  # noqa: BLE001 - re-raised below, after every replica has finished
                 failures.append((index, caught))
         if failures:
-            index, error = failures[0]
+            # A replica stopped only because another failed is not the one to report.
+            causes = [failure for failure in failures if not isinstance(failure[1], RendezvousAborted)]
+            index, error = (causes or failures)[0]
             others = f" ({len(failures) - 1} other replica(s) failed too)" if len(failures) > 1 else ""
             error.add_note(f"lightning_mgpu: raised in replica {index} of {len(calls)} on {devices[index]}{others}.")
             raise error

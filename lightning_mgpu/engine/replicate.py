@@ -34,6 +34,11 @@ class ReplicaCache:
         self._key: tuple[tuple[int, ...], tuple[torch.device, ...]] | None = None
         self._shells: list[list[nn.Module]] = []
 
+    @property
+    def structure(self) -> object:
+        """Changes whenever the module's structure or the devices change, so callers can cache what depends on it."""
+        return self._key
+
     def __getstate__(self) -> dict[str, object]:
         """The shells hold views with autograd history, which cannot be copied; a copy starts with no shells."""
         return {}
@@ -155,7 +160,7 @@ def _wire(
 ) -> None:
     for name, child in original._modules.items():
         shell._modules[name] = None if child is None else shells[position[id(child)]]
-    parameters = shell._parameters
+    parameters: dict[str, torch.Tensor | None] = shell._parameters  # type: ignore[assignment]
     for name, param in original._parameters.items():
         if param is None:
             parameters[name] = None

@@ -67,6 +67,19 @@ class StepHealth:
             " Trainer(detect_anomaly=True).",
         )
 
+    def check_batchnorm(self, module: torch.nn.Module) -> None:
+        """Without the exchange of batch statistics, BatchNorm normalises each chunk on its own."""
+        batchnorm = torch.nn.modules.batchnorm._BatchNorm
+        layers = [name for name, layer in module.named_modules() if isinstance(layer, batchnorm)]
+        if layers:
+            self._report(
+                "batchnorm",
+                f"{self.strategy_name}: sync_batchnorm=False, so the BatchNorm layers ({', '.join(layers[:5])})"
+                " normalise each replica's chunk by the chunk's own statistics in training, and outputs, gradients"
+                " and running statistics differ from one device. Leave sync_batchnorm at its default (True) to"
+                " train exactly.",
+            )
+
     def wants(self, kind: str) -> bool:
         """Whether a problem of ``kind`` has not been reported yet, so a costly check is still worth running."""
         return kind not in self._reported

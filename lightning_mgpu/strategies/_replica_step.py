@@ -76,7 +76,7 @@ def _loss_of(output: Any) -> Any:
     return output.get("loss") if isinstance(output, dict) else output
 
 
-_SET_BY_PREPARE = frozenset({"replica_index", "num_replicas", "manual_backward", "log"})
+_SET_BY_PREPARE = frozenset({"replica_index", "num_replicas", "manual_backward", "log", "forward"})
 
 
 def prepare_replica(replica: nn.Module, index: int, num_replicas: int, device: torch.device) -> ReplicaLog:

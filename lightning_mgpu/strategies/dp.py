@@ -21,6 +21,9 @@ from lightning_mgpu.strategies._common import MGPUStrategyMixin
 from lightning_mgpu.strategies._health import StepHealth, stop_iteration_is_an_error
 from lightning_mgpu.strategies._replica_step import run_replica_step
 
+_REPLICA_ATTRIBUTES = ("replica_index", "num_replicas")
+_ABSENT = object()
+
 
 class DataParallelStrategy(MGPUStrategyMixin, ParallelStrategy):
     """Split each batch across devices in one process and run the step of one replica per device in threads.
@@ -41,6 +44,10 @@ class DataParallelStrategy(MGPUStrategyMixin, ParallelStrategy):
             from ``Trainer(devices=...)`` when left ``None``.
         checkpoint_io: how checkpoints are written and read; Lightning's default when ``None``.
         precision_plugin: the precision plugin; its autocast context is entered in every replica thread.
+        sync_batchnorm: BatchNorm layers in training mode normalise each chunk by the statistics of the whole batch,
+            exchanged between the replicas, so they train exactly as on one device (unlike
+            ``torch.nn.DataParallel``). ``False`` normalises each chunk by its own statistics, which saves the
+            exchange and changes the results.
     """
 
     strategy_name = "mgpu_dp"
@@ -51,6 +58,7 @@ class DataParallelStrategy(MGPUStrategyMixin, ParallelStrategy):
         parallel_devices: list[torch.device] | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
+        sync_batchnorm: bool = True,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -61,6 +69,8 @@ class DataParallelStrategy(MGPUStrategyMixin, ParallelStrategy):
         )
         self._num_nodes = 1
         self._health = StepHealth(self.strategy_name)
+        self._replaced_attributes: dict[str, Any] = {}
+        self.sync_batchnorm = sync_batchnorm
 
     @property
     def num_nodes(self) -> int:
@@ -122,10 +132,13 @@ class DataParallelStrategy(MGPUStrategyMixin, ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module
         assert module is not None
-        # Outside the replicas the module is "replica 0 of 1", so code that reads these runs anywhere.
-        setattr(module, "replica_index", 0)  # noqa: B010
-        setattr(module, "num_replicas", 1)  # noqa: B010
+        # Outside the replicas the module is "replica 0 of 1", so code that reads these runs anywhere; teardown
+        # puts back what the module had.
+        self._replaced_attributes = {name: vars(module).get(name, _ABSENT) for name in _REPLICA_ATTRIBUTES}
+        module.__dict__.update(replica_index=0, num_replicas=1)
         self._prepare_module(trainer, module)
+        if not self.sync_batchnorm and self.num_replicas > 1:
+            self._health.check_batchnorm(module)
         super().setup(trainer)
 
     @override
@@ -138,7 +151,7 @@ class DataParallelStrategy(MGPUStrategyMixin, ParallelStrategy):
         assert self.parallel_devices is not None
         if isinstance(model, DataParallel):
             return model
-        return DataParallel(model, self.parallel_devices)
+        return DataParallel(model, self.parallel_devices, sync_batchnorm=self.sync_batchnorm)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -175,7 +188,15 @@ class DataParallelStrategy(MGPUStrategyMixin, ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        self._release_module(self.lightning_module)
+        module = self.lightning_module
+        self._release_module(module)
+        if module is not None:
+            for name, value in self._replaced_attributes.items():
+                if value is _ABSENT:
+                    module.__dict__.pop(name, None)
+                else:
+                    module.__dict__[name] = value
+            self._replaced_attributes = {}
         if isinstance(self.model, DataParallel):
             self.model.close()
             self.model = self.lightning_module
