@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torchmetrics import Metric
 
+from lightning_mgpu.engine._torch_private import names_rewritten_by_hooks
 from lightning_mgpu.errors import ModelCheckError
 
 # Packages whose classes and utilities look after the attributes they store; the checks judge everything else.
@@ -100,7 +101,7 @@ def _baseline() -> frozenset[str]:
 
 def _stored_by_stock_code(module: nn.Module, name: str) -> bool:
     """Whether attribute ``name`` of ``module`` is kept by torch, torchmetrics or Lightning rather than by the user."""
-    if name in _maintained_by_stock_hooks(module):
+    if name in names_rewritten_by_hooks(module, _is_stock):
         return True
     for cls in type(module).__mro__:
         if _is_stock(cls):
@@ -113,21 +114,6 @@ def _stored_by_stock_code(module: nn.Module, name: str) -> bool:
 def _is_stock(cls: type) -> bool:
     module_name = getattr(cls, "__module__", None)
     return isinstance(module_name, str) and module_name.partition(".")[0] in _STOCK_PACKAGES
-
-
-def _maintained_by_stock_hooks(module: nn.Module) -> set[str]:
-    """Attributes that a stock forward pre-hook rewrites before every forward.
-
-    ``weight_norm``, ``spectral_norm`` and ``torch.nn.utils.prune`` replace a parameter by a plain tensor attribute
-    that their hook object recomputes from registered state; the hook object names that attribute in one of its
-    string fields (``name``, ``_tensor_name``).
-    """
-    names: set[str] = set()
-    for hook in module._forward_pre_hooks.values():
-        owner = getattr(hook, "__self__", hook)
-        if _is_stock(type(owner)) and hasattr(owner, "__dict__"):
-            names.update(value for value in vars(owner).values() if isinstance(value, str))
-    return names
 
 
 @functools.cache

@@ -150,7 +150,16 @@ def test_training_with_batchnorm_equals_one_device(devices: int) -> None:
 def test_switching_the_exchange_off_warns_and_differs() -> None:
     single, parallel = _Normalised(), _Normalised()
     _fit(single)
-    with pytest.warns(UserWarning, match=r"sync_batchnorm=False, so the BatchNorm layers \(net\.1\) normalise"):
+    expected = r"BatchNorm layers \(net\.1\) normalise each replica's chunk.*This is sync_batchnorm=False"
+    with pytest.warns(UserWarning, match=expected):
         _fit(parallel, devices=2, strategy=DataParallelStrategy(sync_batchnorm=False))
     difference = (parameters(single)["net.1.running_mean"] - parameters(parallel)["net.1.running_mean"]).abs()
     assert difference.max() > 1e-4
+
+
+def test_ddp_names_batchnorm_layers_that_train_on_the_rank_batch_only() -> None:
+    from lightning_mgpu.strategies._health import StepHealth
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.BatchNorm1d(4).eval(), nn.SyncBatchNorm(4))
+    with pytest.warns(UserWarning, match=r"mgpu_ddp: the BatchNorm layers \(1\) normalise each rank's batch.*sync_bat"):
+        StepHealth("mgpu_ddp").check_batchnorm(model, "each rank's batch", "Pass Trainer(sync_batchnorm=True).")

@@ -290,3 +290,15 @@ def test_parse_local_rank_accepts_both_spellings(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(sys, "argv", ["train.py", "fit", "--local_rank=1", "--config", "c.yaml"])
     assert lightning_mgpu.parse_local_rank() == 1
     assert sys.argv == ["train.py", "fit", "--config", "c.yaml"]
+
+
+def test_stop_iteration_in_a_step_stops_training_with_an_error() -> None:
+    class Exhausted(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            next(iter(torch.nn.Identity().parameters()))
+            return super().training_step(batch, batch_idx)
+
+    ddp_trainer = trainer(strategy="mgpu_ddp", devices=1, max_steps=2)
+    with pytest.raises(RuntimeError, match=r"StopIteration was raised inside training_step.*ended silently"):
+        ddp_trainer.fit(Exhausted(), loader(regression_data(), 4))
+    assert ddp_trainer.global_step == 0

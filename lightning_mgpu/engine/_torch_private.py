@@ -2,7 +2,8 @@
 
 A replica must behave like the module it copies, and torch gives no public way to copy three kinds of module state:
 a module's own replication hook (RNNs keep caches of their weights), the forward that ``torch.compile(module)``
-binds to the module it wraps, and the call that ``module.compile()`` binds to the module itself.
+binds to the module it wraps, and the call that ``module.compile()`` binds to the module itself. Nor does it say
+which attributes its forward pre-hooks rewrite (``weight_norm``'s ``weight``).
 """
 
 from __future__ import annotations
@@ -69,3 +70,23 @@ def recompile_call(compiled: Callable[..., Any], shell: nn.Module) -> Callable[.
         return None
     rebound = context(shell._call_impl)
     return rebound if callable(rebound) else None
+
+
+def names_rewritten_by_hooks(module: nn.Module, owned: Callable[[type], bool]) -> set[str]:
+    """Attributes that forward pre-hooks of classes accepted by ``owned`` rewrite before every forward.
+
+    ``weight_norm``, ``spectral_norm`` and ``torch.nn.utils.prune`` replace a parameter by a plain tensor attribute
+    that their hook object recomputes from registered state; the hook object names that attribute in one of its
+    string fields (``name``, ``_tensor_name``). The hooks live in the private ``_forward_pre_hooks``.
+    """
+    names: set[str] = set()
+    for hook in module._forward_pre_hooks.values():
+        owner = getattr(hook, "__self__", hook)
+        if owned(type(owner)) and hasattr(owner, "__dict__"):
+            names.update(value for value in vars(owner).values() if isinstance(value, str))
+    return names
+
+
+def is_torch_class(cls: type) -> bool:
+    """Whether ``cls`` is defined by torch itself."""
+    return str(getattr(cls, "__module__", "")).partition(".")[0] == "torch"

@@ -105,9 +105,14 @@ def assigned_attributes(module: nn.Module, replica: nn.Module, ignore: frozenset
     assigned = []
     for (prefix, original), shell in zip(module.named_modules(), replica.modules(), strict=True):
         state = original.__dict__
-        for name, value in shell.__dict__.items():
-            if name[0] != "_" and name not in ignore and state.get(name, _MISSING) is not value:
-                assigned.append(f"{prefix}.{name}" if prefix else name)
+        changed = [
+            name
+            for name, value in shell.__dict__.items()
+            if name[0] != "_" and name not in ignore and state.get(name, _MISSING) is not value
+        ]
+        if changed:  # what torch's own hooks recompute before every forward (weight_norm's weight) is not lost
+            rewritten = _torch_private.names_rewritten_by_hooks(original, _torch_private.is_torch_class)
+            assigned.extend(f"{prefix}.{name}" if prefix else name for name in changed if name not in rewritten)
     return assigned
 
 

@@ -49,9 +49,17 @@ class MGPUStrategyMixin:
 
     @staticmethod
     def _release_module(module: pl.LightningModule | None) -> None:
-        """Hand ``*_step_end`` back to ``MGPUMixin``, so the module runs under any other strategy afterwards."""
-        if module is not None:
-            release_step_end(module)
+        """Hand ``*_step_end`` back to ``MGPUMixin``, so the module runs under any other strategy afterwards.
+
+        Lightning's DDP strategy routes each step through the module's ``forward`` and, undoing that, leaves the
+        class's own ``forward`` behind as an attribute of the module; that attribute is removed too.
+        """
+        if module is None:
+            return
+        release_step_end(module)
+        forward = module.__dict__.get("forward")
+        if getattr(forward, "__self__", None) is module and getattr(forward, "__func__", None) is type(module).forward:
+            del module.__dict__["forward"]
 
     def process_dataloader(self, dataloader: object) -> object:
         """Wrap the training sampler so a mid-epoch checkpoint can resume on exactly the remaining samples."""

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -67,17 +66,24 @@ class StepHealth:
             " Trainer(detect_anomaly=True).",
         )
 
-    def check_batchnorm(self, module: torch.nn.Module) -> None:
-        """Without the exchange of batch statistics, BatchNorm normalises each chunk on its own."""
-        batchnorm = torch.nn.modules.batchnorm._BatchNorm
-        layers = [name for name, layer in module.named_modules() if isinstance(layer, batchnorm)]
+    def check_batchnorm(self, module: torch.nn.Module, share: str, fix: str) -> None:
+        """BatchNorm layers in training mode that normalise each ``share`` of the batch by its own statistics.
+
+        Called at a training step, so layers a model keeps frozen (in eval mode) are not reported.
+        """
+        layers = [
+            name
+            for name, layer in module.named_modules()
+            if isinstance(layer, torch.nn.modules.batchnorm._BatchNorm)
+            and not isinstance(layer, torch.nn.SyncBatchNorm)
+            and layer.training
+        ]
         if layers:
             self._report(
                 "batchnorm",
-                f"{self.strategy_name}: sync_batchnorm=False, so the BatchNorm layers ({', '.join(layers[:5])})"
-                " normalise each replica's chunk by the chunk's own statistics in training, and outputs, gradients"
-                " and running statistics differ from one device. Leave sync_batchnorm at its default (True) to"
-                " train exactly.",
+                f"{self.strategy_name}: the BatchNorm layers ({', '.join(layers[:5])}) normalise {share} by its own"
+                " statistics, so outputs, gradients and running statistics differ from one device that sees the"
+                f" whole batch. {fix}",
             )
 
     def wants(self, kind: str) -> bool:
@@ -103,14 +109,23 @@ class StepHealth:
             warnings.warn(message, UserWarning, stacklevel=4)
 
 
-@contextmanager
-def stop_iteration_is_an_error(step: str) -> Iterator[None]:
-    """Turn a ``StopIteration`` escaping ``step`` into an error; Lightning's loops would take it for the end of data."""
-    try:
-        yield
-    except StopIteration as stop:
-        raise RuntimeError(
-            f"StopIteration was raised inside {step}, for example by next() on an empty iterator such as"
-            " next(iter(module.parameters())) of a module without parameters. Training would have ended silently;"
-            " check the call that raised it (see the traceback above)."
-        ) from stop
+class stop_iteration_is_an_error:  # noqa: N801 - used as a context manager, named like contextlib's
+    """Turn a ``StopIteration`` escaping ``step`` into an error; Lightning's loops would take it for the end of data.
+
+    A class rather than ``@contextmanager``: contextlib re-raises the original ``StopIteration`` when a generator turns
+    it into a ``RuntimeError`` (PEP 479 bookkeeping), which is exactly what must not reach Lightning.
+    """
+
+    def __init__(self, step: str) -> None:
+        self.step = step
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, traceback: Any) -> None:
+        if isinstance(error, StopIteration):
+            raise RuntimeError(
+                f"StopIteration was raised inside {self.step}, for example by next() on an empty iterator such as"
+                " next(iter(module.parameters())) of a module without parameters. Training would have ended"
+                " silently; check the call that raised it (see the traceback above)."
+            ) from error

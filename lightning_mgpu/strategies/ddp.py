@@ -141,6 +141,14 @@ class DDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.world_size > 1 and self._health.wants("batchnorm"):
+            assert self.lightning_module is not None
+            self._health.check_batchnorm(
+                self.lightning_module,
+                "each rank's batch",
+                "Pass Trainer(sync_batchnorm=True) to convert them to SyncBatchNorm, whose statistics span every"
+                " rank (torch supports it on GPUs only).",
+            )
         with stop_iteration_is_an_error("training_step"):
             output = self._step_end("training_step", super().training_step(*args, **kwargs))
         self._health.check_loss(output, self._where)

@@ -137,8 +137,6 @@ class DataParallelStrategy(MGPUStrategyMixin, ParallelStrategy):
         self._replaced_attributes = {name: vars(module).get(name, _ABSENT) for name in _REPLICA_ATTRIBUTES}
         module.__dict__.update(replica_index=0, num_replicas=1)
         self._prepare_module(trainer, module)
-        if not self.sync_batchnorm and self.num_replicas > 1:
-            self._health.check_batchnorm(module)
         super().setup(trainer)
 
     @override
@@ -214,5 +212,11 @@ class DataParallelStrategy(MGPUStrategyMixin, ParallelStrategy):
         assert module is not None
         if not isinstance(wrapper, DataParallel):
             raise ConfigurationError(f"{step} was called before the mgpu_dp strategy was set up by a Trainer.")
+        if step == "training_step" and not self.sync_batchnorm and self._health.wants("batchnorm"):
+            self._health.check_batchnorm(
+                module,
+                "each replica's chunk",
+                "This is sync_batchnorm=False; leave it at its default (True) to train exactly.",
+            )
         with stop_iteration_is_an_error(step):
             return run_replica_step(wrapper, module, step, args, kwargs, precision_context, self._health)
