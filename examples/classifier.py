@@ -10,15 +10,17 @@ multi-device way:
 * ``MGPUMixin`` comes first among the bases, so the ``*_step_end`` hooks also run on one device and under Lightning's
   own strategies.
 
-``BatchNormDigitsClassifier`` is the same network with ``nn.BatchNorm1d`` inside: under ``mgpu_dp`` each replica
-normalises with its own chunk's statistics, which ``lightning-mgpu doctor`` reports as a batch-dependent step.
+``BatchNormDigitsClassifier`` is the same network with ``nn.BatchNorm1d`` inside. ``mgpu_dp`` trains it exactly as one
+device does (its replicas exchange the batch statistics); under ``mgpu_ddp`` each rank normalises its own rows, which
+``lightning-mgpu doctor --target mgpu_ddp`` reports as a batch-dependent step.
 
 Run it from anywhere (the repository root is put on ``sys.path``)::
 
     python examples/classifier.py                                       # fit with configs/classifier.yaml
     python examples/classifier.py fit --config configs/classifier.yaml  # the same, any LightningCLI option after it
     lightning-mgpu fit --config configs/classifier.yaml                 # the same through the package's command
-    lightning-mgpu doctor --model examples.classifier.BatchNormDigitsClassifier --data examples.classifier.DigitsData
+    lightning-mgpu doctor --model examples.classifier.BatchNormDigitsClassifier --data examples.classifier.DigitsData \
+        --target mgpu_ddp
 """
 
 from __future__ import annotations
@@ -144,11 +146,12 @@ class DigitsClassifier(MGPUMixin, L.LightningModule):
 
 
 class BatchNormDigitsClassifier(DigitsClassifier):
-    """The same MLP with ``nn.BatchNorm1d`` after each hidden layer: batch-dependent under ``mgpu_dp``.
+    """The same MLP with ``nn.BatchNorm1d`` after each hidden layer: exact under ``mgpu_dp``, per rank under DDP.
 
-    Each replica normalises its chunk with that chunk's mean and variance, so the outputs and gradients differ from
-    one device's on the whole batch; ``lightning-mgpu doctor`` reports it. Under ``mgpu_ddp``,
-    ``Trainer(sync_batchnorm=True)`` makes the statistics global again.
+    ``mgpu_dp`` normalises every chunk with the whole batch's statistics. Under ``mgpu_ddp`` each rank normalises its
+    rows with their own mean and variance, so the outputs and gradients differ from one device's on the whole batch;
+    ``lightning-mgpu doctor --target mgpu_ddp`` reports it, and ``Trainer(sync_batchnorm=True)`` (on GPUs) makes the
+    statistics global again.
     """
 
     def build_network(self, hidden: int) -> nn.Sequential:

@@ -137,7 +137,7 @@ class StringOutputNet(_Net):
 
 
 class ParametersInStepNet(_Net):
-    """Calls self.parameters() in the step, which replicas refuse (they own no parameters)."""
+    """Adds a weight penalty over self.parameters() inside the step, where a replica yields its own parameters."""
 
     def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -151,3 +151,90 @@ class RandomShiftNet(CleanNet):
     def training_step(self, batch: Batch, batch_idx: int) -> dict[str, torch.Tensor]:
         x, y = batch
         return super().training_step((x + torch.randn(1), y), batch_idx)
+
+
+class NormalisedPredNet(_Net):
+    """Normalises ``pred`` by the batch's mean and deviation inside the step and passes ``y`` through."""
+
+    def training_step(self, batch: Batch, batch_idx: int) -> dict[str, torch.Tensor]:
+        x, y = batch
+        pred = self.layer(x).squeeze(1)
+        return {"pred": (pred - pred.mean()) / pred.std(), "y": y.squeeze(1)}
+
+    def training_step_end(self, output: dict[str, torch.Tensor]) -> torch.Tensor:
+        return F.mse_loss(output["pred"], output["y"])
+
+
+class ChunkStatisticsBufferNet(_Net):
+    """Per-sample outputs, but the step counts its rows in place and reassigns a running mean of its inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("rows_seen", torch.zeros((), dtype=torch.long))
+        self.register_buffer("input_mean", torch.zeros(4))
+
+    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        self.rows_seen += x.shape[0]
+        self.input_mean = 0.9 * self.input_mean + 0.1 * x.mean(0)
+        return (self.layer(x) - y).pow(2).squeeze(1)
+
+    def training_step_end(self, errors: torch.Tensor) -> torch.Tensor:
+        return errors.mean()
+
+
+class EncoderPenaltyNet(L.LightningModule):
+    """Adds a weight penalty over ``self.encoder.parameters()`` inside the step; the loss is a mean per replica."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(4, 8), nn.Tanh())
+        self.head = nn.Linear(8, 1)
+
+    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        penalty = sum(parameter.pow(2).sum() for parameter in self.encoder.parameters())
+        return F.mse_loss(self.head(self.encoder(x)), y) + 0.01 * penalty
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class StepAttributeNet(_Net):
+    """Stores the batch's row count on self in training_step and divides by it in training_step_end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows = 1
+
+    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        self.rows = x.shape[0]
+        return (self.layer(x) - y).pow(2).squeeze(1)
+
+    def training_step_end(self, errors: torch.Tensor) -> torch.Tensor:
+        return errors.sum() / self.rows
+
+
+class ScaledGradientNet(_Net):
+    """Per-sample values, but their gradient is divided by the standard deviation of the chunk's targets."""
+
+    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        pred = self.layer(x)
+        pred = pred.detach() + (pred - pred.detach()) / y.std()
+        return (pred - y).pow(2).squeeze(1)
+
+    def training_step_end(self, errors: torch.Tensor) -> torch.Tensor:
+        return errors.mean()
+
+
+class ChunkMeanLossNet(_Net):
+    """Returns each replica's mean loss; training_step_end averages them, which is exact for equal chunks only."""
+
+    def training_step(self, batch: Batch, batch_idx: int) -> dict[str, torch.Tensor]:
+        x, y = batch
+        return {"loss": F.mse_loss(self.layer(x), y)}
+
+    def training_step_end(self, output: dict[str, torch.Tensor]) -> torch.Tensor:
+        return output["loss"].mean()

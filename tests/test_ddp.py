@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import lightning as L
 import pytest
 import torch
 from models import Regressor, assert_same_parameters, loader, parameters, regression_data, trainer
+from processes import clean_env, free_port
 
 import lightning_mgpu
 from lightning_mgpu import DDPStrategy
@@ -23,20 +23,6 @@ from lightning_mgpu.strategies.ddp import buffer_sync_keyword
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_train.py"
 LAUNCH_TIMEOUT = 180
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "PL_"))}
-    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK"):
-        env.pop(key, None)
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
-    return env
 
 
 def _run(command: list[str], env: dict[str, str], timeout: float = LAUNCH_TIMEOUT) -> subprocess.CompletedProcess:
@@ -63,33 +49,33 @@ def _assert_matches_single_device(out: Path, result: subprocess.CompletedProcess
 
 
 def test_lightning_launcher_matches_one_device_with_twice_the_batch(tmp_path: Path) -> None:
-    result = _run([sys.executable, str(SCRIPT), "--out", str(tmp_path)], _clean_env(MASTER_PORT=str(_free_port())))
+    result = _run([sys.executable, str(SCRIPT), "--out", str(tmp_path)], clean_env(MASTER_PORT=str(free_port())))
     _assert_matches_single_device(tmp_path, result, "LightningEnvironment")
 
 
 def test_torchrun(tmp_path: Path) -> None:
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
         str(SCRIPT), "--out", str(tmp_path), "--model", "Evaluated", "--val-rows", "5",
     ]  # fmt: skip
-    _assert_matches_single_device(tmp_path, _run(command, _clean_env()), "TorchElasticEnvironment")
+    _assert_matches_single_device(tmp_path, _run(command, clean_env()), "TorchElasticEnvironment")
     assert _report(tmp_path, 0)["metrics"]["val_rows"] == 5.0, "validation during fit counts each sample once"
 
 
 def test_legacy_torch_distributed_launch_with_its_local_rank_argument(tmp_path: Path) -> None:
     command = [
-        sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+        sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node", "2", "--master_port", str(free_port()),
         str(SCRIPT), "--out", str(tmp_path),
     ]  # fmt: skip
-    result = _run(command, _clean_env())
+    result = _run(command, clean_env())
     _assert_matches_single_device(tmp_path, result, "TorchElasticEnvironment")
 
 
 def test_slurm_environment(tmp_path: Path) -> None:
-    port = str(_free_port())
+    port = str(free_port())
     processes = []
     for rank in (0, 1):
-        env = _clean_env(
+        env = clean_env(
             SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_NNODES="1", SLURM_NODEID="0",
             SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_JOB_ID="4242", SLURM_JOB_NAME="train",
             SLURM_NODELIST="127.0.0.1", MASTER_PORT=port,
@@ -104,7 +90,7 @@ def test_slurm_environment(tmp_path: Path) -> None:
 
 
 def test_two_nodes_on_one_machine_through_torchrun(tmp_path: Path) -> None:
-    port = str(_free_port())
+    port = str(free_port())
     processes = []
     for node in (0, 1):
         command = [
@@ -113,7 +99,7 @@ def test_two_nodes_on_one_machine_through_torchrun(tmp_path: Path) -> None:
             str(SCRIPT), "--out", str(tmp_path), "--devices", "1", "--num-nodes", "2",
         ]  # fmt: skip
         processes.append(
-            subprocess.Popen(command, env=_clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            subprocess.Popen(command, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         )
     outputs = [process.communicate(timeout=LAUNCH_TIMEOUT) for process in processes]
     assert [process.returncode for process in processes] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
@@ -126,7 +112,7 @@ def test_validation_counts_each_sample_once(tmp_path: Path) -> None:
         sys.executable, str(SCRIPT), "--out", str(tmp_path), "--scenario", "validate", "--model", "Evaluated",
         "--val-rows", "5",
     ]  # fmt: skip
-    result = _run(command, _clean_env(MASTER_PORT=str(_free_port())))
+    result = _run(command, clean_env(MASTER_PORT=str(free_port())))
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = _report(tmp_path, 0)["metrics"]
     assert metrics["val_rows"] == 5.0
@@ -136,7 +122,7 @@ def test_validation_counts_each_sample_once(tmp_path: Path) -> None:
 
 def test_training_shuffles_differently_every_epoch(tmp_path: Path) -> None:
     command = [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--scenario", "shuffle", "--epochs", "2"]
-    result = _run(command, _clean_env(MASTER_PORT=str(_free_port())))
+    result = _run(command, clean_env(MASTER_PORT=str(free_port())))
     assert result.returncode == 0, result.stderr[-3000:]
     reports = [_report(tmp_path, rank) for rank in (0, 1)]
     for epoch in ("0", "1"):
@@ -163,7 +149,7 @@ def _assert_every_process_ends(tmp_path: Path, scenario: str, fail_rank: int) ->
         "--timeout", "20", "--epochs", "5",
     ]  # fmt: skip
     started = time.monotonic()
-    result = _run(command, _clean_env(MASTER_PORT=str(_free_port())), timeout=120)
+    result = _run(command, clean_env(MASTER_PORT=str(free_port())), timeout=120)
     assert result.returncode != 0
     deadline = time.monotonic() + 60
     while any(_alive(pid) for pid in _pids(tmp_path)) and time.monotonic() < deadline:
@@ -189,7 +175,7 @@ def test_a_rank_that_exits_ends_every_process_quickly(tmp_path: Path) -> None:
 
 def test_unused_parameters_are_named_with_the_fix(tmp_path: Path) -> None:
     command = [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--model", "Unused", "--timeout", "30"]
-    result = _run(command, _clean_env(MASTER_PORT=str(_free_port())))
+    result = _run(command, clean_env(MASTER_PORT=str(free_port())))
     assert result.returncode != 0
     assert "received none in the last step: unused_head.weight, unused_head.bias" in result.stderr
     assert "find_unused_parameters=True" in result.stderr
@@ -199,7 +185,7 @@ def test_unused_parameters_are_named_with_the_fix(tmp_path: Path) -> None:
 def test_checkpoints_move_between_ddp_dp_and_one_device(tmp_path: Path) -> None:
     ddp_out = tmp_path / "ddp"
     command = [sys.executable, str(SCRIPT), "--out", str(ddp_out), "--epochs", "1"]
-    result = _run(command, _clean_env(MASTER_PORT=str(_free_port())))
+    result = _run(command, clean_env(MASTER_PORT=str(free_port())))
     assert result.returncode == 0, result.stderr[-3000:]
     ddp_checkpoint = next((ddp_out / "checkpoints").glob("*.ckpt"))
     saved = torch.load(ddp_checkpoint, weights_only=False)
@@ -219,7 +205,7 @@ def test_checkpoints_move_between_ddp_dp_and_one_device(tmp_path: Path) -> None:
     dp_checkpoint = next(Path(dp_trainer.checkpoint_callback.dirpath).glob("*.ckpt"))
     resumed_out = tmp_path / "resumed"
     command = [sys.executable, str(SCRIPT), "--out", str(resumed_out), "--ckpt-in", str(dp_checkpoint)]
-    result = _run(command, _clean_env(MASTER_PORT=str(_free_port())))
+    result = _run(command, clean_env(MASTER_PORT=str(free_port())))
     assert result.returncode == 0, result.stderr[-3000:]
     assert_same_parameters(torch.load(resumed_out / "params.pt"), straight)
 
@@ -234,7 +220,7 @@ def test_defaults_follow_the_recipe_and_raise_no_warning(recwarn: pytest.Warning
     }
     assert buffer_sync_keyword() == "forward_sync_buffers"  # torch 2.13 deprecates broadcast_buffers
     model = torch.nn.Linear(2, 2)
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         wrapped = torch.nn.parallel.DistributedDataParallel(model, **strategy._ddp_kwargs)
         assert wrapped.forward_sync_buffers is False

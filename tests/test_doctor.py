@@ -13,7 +13,8 @@ import torch
 from doctor_models import BatchNormNet, CenteredNet, ProbeData
 
 from lightning_mgpu.cli import main
-from lightning_mgpu.doctor import DoctorReport, diagnose, probe_batch, run_doctor
+from lightning_mgpu.doctor import Comparison, DoctorReport, diagnose, format_report, probe_batch, run_doctor
+from lightning_mgpu.doctor.findings import Differences, difference_findings
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = "tests/doctor_models.py"
@@ -37,22 +38,71 @@ def verdicts(report: DoctorReport) -> dict[str, str]:
     return {comparison.what: comparison.verdict for comparison in report.comparisons}
 
 
-def test_batchnorm_in_the_step_is_batch_dependent() -> None:
+def message_of(report: DoctorReport, check: str, where: str) -> str:
+    return next(f.message for f in report.findings if (f.check, f.where) == (check, where))
+
+
+def test_step_output_names_the_batch_normalised_key_and_not_the_others() -> None:
+    report = doctor("NormalisedPredNet")
+    assert report.step_end
+    assert verdicts(report) == {
+        "step output['pred']": "differs",
+        "step output['y']": "same",
+        "output": "differs",
+        "layer.weight.grad": "differs",
+        "layer.bias.grad": "same",  # the normalisation removes the bias from pred
+    }
+    assert found(report) == {
+        ("error", "batch-dependent", "step output['pred']"),
+        ("error", "batch-dependent", "output"),
+        ("error", "batch-dependent", "layer.weight"),
+    }
+    assert not any("['y']" in finding.where or "['y']" in finding.message for finding in report.findings)
+    pred = message_of(report, "batch-dependent", "step output['pred']")
+    assert pred.startswith("`step output['pred']`, which training_step_end receives, differs between one device and")
+    assert "training_step does batch-wise work that each replica does on its own chunk only" in pred
+    assert "into training_step_end, which receives the outputs of every replica gathered." in pred
+    result = message_of(report, "batch-dependent", "output")
+    assert result.startswith("training_step_end's result `output` differs")
+    assert "a consequence of `step output['pred']`, which training_step computes batch-wise" in result
+    gradient = message_of(report, "batch-dependent", "layer.weight")
+    assert gradient.startswith("The gradient of `layer.weight` differs")
+    assert "The fix above applies." in gradient
+
+
+def test_step_output_difference_that_the_hook_absorbs_is_a_warning() -> None:
+    # Each replica returns its chunk's mean loss; training_step_end averages them, which equal chunks make exact.
+    report = doctor("ChunkMeanLossNet")
+    assert found(report) == {("warning", "batch-dependent", "step output['loss']")}
+    loss = next(c for c in report.comparisons if c.what == "step output['loss']")
+    assert loss.note == "one value on one device, one per replica (2) in the split run"
+    assert verdicts(report)["output"] == "same"
+    assert "it may not for chunks of unequal size" in report.findings[0].message
+
+
+def test_batchnorm_in_the_step_is_exact_with_the_whole_batch_statistics() -> None:
+    # mgpu_dp's default: every replica normalises with the statistics of the whole batch.
     report = doctor("BatchNormNet")
-    assert ("error", "batch-dependent", "output") in found(report)
-    assert ("warning", "batchnorm", "layer.1") in found(report)
-    assert report.chunk_sizes == [4, 4]
-    assert verdicts(report)["output"] == "differs"
-    assert verdicts(report)["layer.1.weight.grad"] == "differs"
-    output = next(comparison for comparison in report.comparisons if comparison.what == "output")
-    assert output.max_abs_diff is not None
-    assert output.max_abs_diff > 1e-2
-    gradients = next(finding for finding in report.findings if finding.where.startswith("layer.0.weight"))
-    assert gradients.check == "batch-dependent"
-    assert "BatchNorm (layer.1)" in gradients.message
-    message = next(finding.message for finding in report.findings if finding.where == "output")
-    assert "training_step_end" in message
-    assert "per-replica statistics" in message
+    assert report.findings == []
+    assert set(verdicts(report).values()) == {"same"}
+    assert {"layer.1.running_mean", "layer.1.running_var", "step output", "output"} <= set(verdicts(report))
+
+
+def test_batchnorm_with_per_replica_statistics_is_named_as_the_cause() -> None:
+    report = doctor("BatchNormNet", sync_batchnorm=False)
+    assert found(report) == {
+        ("error", "batch-dependent", "step output"),
+        ("error", "batch-dependent", "output"),
+        ("error", "batch-dependent", "layer.0.weight, layer.1.weight, layer.1.bias, layer.3.weight (+1 more)"),
+        ("warning", "batchnorm", "layer.1"),
+    }
+    assert verdicts(report)["layer.1.running_mean"] == "differs"
+    step = message_of(report, "batch-dependent", "step output")
+    assert "here BatchNorm (layer.1) normalising each chunk by its own statistics" in step
+    assert "keep DataParallelStrategy's default sync_batchnorm=True" in step
+    batchnorm = message_of(report, "batchnorm", "layer.1")
+    assert "its running statistics `layer.1.running_mean`, `layer.1.running_var` differ after the step" in batchnorm
+    assert "BatchNorm layers normalise each chunk by its own statistics in the split run" in report.notes[0]
 
 
 def test_batchnorm_under_ddp_suggests_sync_batchnorm() -> None:
@@ -69,8 +119,13 @@ def test_batch_mean_inside_the_step_is_found_on_its_key_with_the_difference() ->
     batch = probe_batch(datamodule, model)
     report = diagnose(model, batch)
 
-    assert found(report) == {("error", "batch-dependent", "output['centered']")}
+    assert found(report) == {
+        ("error", "batch-dependent", "step output['centered']"),
+        ("error", "batch-dependent", "output['centered']"),
+    }
     assert verdicts(report) == {
+        "step output['errors']": "same",
+        "step output['centered']": "differs",
         "output['loss']": "same",
         "output['centered']": "differs",
         "layer.weight.grad": "same",
@@ -80,7 +135,7 @@ def test_batch_mean_inside_the_step_is_found_on_its_key_with_the_difference() ->
         preds = model.layer(batch[0]).squeeze(1)
     chunk_means = torch.stack([preds[:4].mean(), preds[4:].mean()])
     expected = float((chunk_means - preds.mean()).abs().max())
-    centered = next(comparison for comparison in report.comparisons if comparison.what == "output['centered']")
+    centered = next(comparison for comparison in report.comparisons if comparison.what == "step output['centered']")
     assert centered.max_abs_diff == pytest.approx(expected, rel=1e-5)
 
 
@@ -100,7 +155,7 @@ def test_clean_model_exits_0_with_every_comparison_the_same(capsys: pytest.Captu
     report = doctor("CleanNet")
     assert report.findings == []
     assert report.loss == "output['loss']"
-    assert len(report.comparisons) == 6  # loss, preds and 4 gradients
+    assert len(report.comparisons) == 8  # preds and errors into training_step_end, loss and preds out, 4 gradients
     assert set(verdicts(report).values()) == {"same"}
 
 
@@ -138,17 +193,128 @@ def test_string_in_the_output_is_not_gatherable() -> None:
     assert report.comparisons == []
 
 
-def test_self_parameters_in_the_step_fails_only_in_replicas() -> None:
-    report = doctor("ParametersInStepNet")
-    assert found(report) == {("error", "replica-error", "training_step")}
-    assert "self.parameters() was called inside a replica" in report.findings[0].message
+@pytest.mark.parametrize("name", ["ParametersInStepNet", "EncoderPenaltyNet"])
+def test_weight_penalty_inside_the_step_is_exact(name: str) -> None:
+    # A penalty over self.parameters() or a submodule's parameters() sees the replica's own, so nothing differs.
+    report = doctor(name)
+    assert report.findings == []
+    assert set(verdicts(report).values()) == {"same"}
+
+
+def test_buffer_updated_from_the_chunk_is_named() -> None:
+    report = doctor("ChunkStatisticsBufferNet")
+    assert found(report) == {("error", "buffer-update", "rows_seen, input_mean")}
+    assert verdicts(report) == {
+        "step output": "same",
+        "output": "same",
+        "layer.weight.grad": "same",
+        "layer.bias.grad": "same",
+        "rows_seen": "differs",
+        "input_mean": "differs",
+    }
+    rows_seen = next(c for c in report.comparisons if c.what == "rows_seen")
+    assert rows_seen.max_abs_diff == 4  # 8 rows counted on one device, replica 0's 4 kept when split
+    message = report.findings[0].message
+    assert message.startswith("The buffers `rows_seen`, `input_mean` differ after the step between one device and 4")
+    assert "Under mgpu_dp only replica 0's update is kept, computed from replica 0's chunk of 4 rows." in message
+    assert "update the buffer in training_step_end" in message
+
+    ddp = doctor("ChunkStatisticsBufferNet", target="mgpu_ddp")
+    assert found(ddp) == {("error", "buffer-update", "rows_seen, input_mean")}
+    assert "combine the update over the ranks (self.all_gather)" in ddp.findings[0].message
+
+
+def test_attribute_assigned_in_the_step_and_read_in_step_end_blames_the_hook() -> None:
+    report = doctor("StepAttributeNet")
+    assert found(report) == {
+        ("error", "step-end-state", "output"),
+        ("error", "step-end-state", "layer.weight, layer.bias"),
+    }
+    assert verdicts(report)["step output"] == "same"
+    assert verdicts(report)["output"] == "differs"
+    message = message_of(report, "step-end-state", "output")
+    assert "although every step output it receives is the same" in message
+    assert "training_step assigns `self.rows`; inside a replica that lands on the replica's own copy" in message
+    assert "Return what training_step_end needs from training_step" in message
+    assert "a consequence of `output`" in message_of(report, "step-end-state", "layer.weight, layer.bias")
+
+    ddp = doctor("StepAttributeNet", target="mgpu_ddp")
+    assert {(f.level, f.check) for f in ddp.findings} == {("warning", "step-end-state")}
+    assert "so this concerns mgpu_dp only" in message_of(ddp, "step-end-state", "output")
+
+
+def test_gradient_scaled_by_a_chunk_statistic_is_backward_dependent() -> None:
+    report = doctor("ScaledGradientNet")
+    assert found(report) == {("error", "backward-dependent", "layer.weight, layer.bias")}
+    assert {verdicts(report)["step output"], verdicts(report)["output"]} == {"same"}
+    message = report.findings[0].message
+    assert message.startswith("The gradients of 2 parameters (`layer.weight`, `layer.bias`) differ between one device")
+    assert "although every output of the step is the same" in message
+    assert "a straight-through estimator" in message
+
+
+def split_report() -> DoctorReport:
+    return DoctorReport("Net", "mgpu_dp", 2, 0, 1e-5, 1e-4, batch_rows=8, chunk_sizes=[4, 4], step_end=True)
+
+
+def test_per_replica_batchnorm_statistics_are_named_with_the_cause() -> None:
+    # As when BatchNorm normalises each chunk by its own statistics: its outputs and running statistics differ.
+    differing = [
+        Comparison("step output['logits']", "step-output", 0.5, False),
+        Comparison("output", "output", 0.2, False),
+        Comparison("net.1.running_mean", "buffer", 0.03, False),
+        Comparison("net.1.running_var", "buffer", 0.01, False),
+    ]
+    differences = Differences(differing, step_end=True, batchnorms=("net.1", "net.4"))
+    findings = {(f.level, f.check, f.where): f.message for f in difference_findings(differences, split_report())}
+    assert set(findings) == {
+        ("error", "batch-dependent", "step output['logits']"),
+        ("error", "batch-dependent", "output"),
+        ("warning", "batchnorm", "net.1"),
+    }
+    assert (
+        "here BatchNorm (net.1) normalising each chunk by its own statistics"
+        in findings[("error", "batch-dependent", "step output['logits']")]
+    )
+    batchnorm = findings[("warning", "batchnorm", "net.1")]
+    assert "its running statistics `net.1.running_mean`, `net.1.running_var` differ after the step" in batchnorm
+    assert "only replica 0's running statistics are kept, computed from replica 0's chunk of 4 rows" in batchnorm
+    assert "Keep DataParallelStrategy's default sync_batchnorm=True" in batchnorm
+    assert "under mgpu_ddp, use SyncBatchNorm (Trainer(sync_batchnorm=True))" in batchnorm
+
+
+def test_differences_that_remain_with_one_replica_are_not_blamed_on_batch_wise_work() -> None:
+    differing = [
+        Comparison("output", "output", 0.1, False),
+        Comparison("head.weight.grad", "gradient", 0.2, False),
+        Comparison("count", "buffer", 1.0, False),
+    ]
+    differences = Differences(differing, whole_batch=frozenset({"output", "head.weight.grad", "count"}))
+    report = split_report()
+    report.step_end = False
+    findings = {(f.level, f.check, f.where): f.message for f in difference_findings(differences, report)}
+    assert set(findings) == {
+        ("error", "replica-state", "output"),
+        ("error", "replica-state", "head.weight"),
+        ("error", "buffer-update", "count"),
+    }
+    assert (
+        "and also when one replica runs the whole batch, so it is not batch-wise work"
+        in findings[("error", "replica-state", "output")]
+    )
+    assert (
+        "the update training_step makes inside a replica does not reach the module"
+        in findings[("error", "buffer-update", "count")]
+    )
+    assert not any("batch-wise work that each replica does" in message for message in findings.values())
 
 
 def test_randomness_outside_dropout_turns_differences_into_warnings() -> None:
     report = doctor("RandomShiftNet")
     assert report.errors == []
-    assert ("warning", "random-step", "output['loss']") in found(report)
-    assert ("warning", "batch-dependent", "output['preds']") in found(report)
+    assert ("warning", "random-step", "step output['preds']") in found(report)
+    assert ("warning", "batch-dependent", "step output['preds']") in found(report)
+    assert "so this may be that randomness only" in message_of(report, "batch-dependent", "step output['preds']")
 
 
 def test_the_model_itself_is_left_untouched() -> None:
@@ -162,28 +328,70 @@ def test_the_model_itself_is_left_untouched() -> None:
 
 
 def test_json_round_trip(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["doctor", "--model", f"{MODELS}:BatchNormNet", *DATA, "--json"]) == 1
+    assert main(["doctor", "--model", f"{MODELS}:NormalisedPredNet", *DATA, "--json"]) == 1
     printed = json.loads(capsys.readouterr().out)
-    expected = doctor("BatchNormNet").to_dict()
+    expected = doctor("NormalisedPredNet").to_dict()
     assert (
         printed["summary"]
         == expected["summary"]
         == {
-            "errors": 2,
-            "warnings": 1,
-            "compared": 7,
-            "differ": 6,
+            "errors": 3,
+            "warnings": 0,
+            "compared": 5,
+            "differ": 3,
             "ok": False,
         }
     )
     assert printed["findings"] == expected["findings"]
-    assert [(c["what"], c["verdict"]) for c in printed["comparisons"]] == [
-        (c["what"], c["verdict"]) for c in expected["comparisons"]
+    assert [(c["what"], c["kind"], c["verdict"]) for c in printed["comparisons"]] == [
+        ("step output['pred']", "step-output", "differs"),
+        ("step output['y']", "step-output", "same"),
+        ("output", "output", "differs"),
+        ("layer.weight.grad", "gradient", "differs"),
+        ("layer.bias.grad", "gradient", "same"),
     ]
     for ours, theirs in zip(printed["comparisons"], expected["comparisons"], strict=True):
         assert ours["max_abs_diff"] == pytest.approx(theirs["max_abs_diff"])
     assert printed["chunk_sizes"] == [4, 4]
     assert printed["target"] == "mgpu_dp"
+    assert printed["step_end"] is True
+
+
+def test_the_table_shows_each_stage_under_its_heading() -> None:
+    lines = format_report(doctor("ChunkStatisticsBufferNet"), width=120).splitlines()
+    start = lines.index("Comparisons: one device vs 2 replicas (atol 1e-05, rtol 0.0001); the loss is output")
+    table = lines[start + 1 : lines.index("", start)]
+    assert table[0].split() == ["what", "max", "abs", "diff", "verdict"]
+    assert [line for line in table[2:] if not line.startswith("  ")] == [
+        "training_step's output, gathered from the replicas: what training_step_end receives",
+        "training_step_end's result: what Lightning receives",
+        "gradients",
+        "buffers after the step",
+    ]
+    rows = [line.split() for line in table[2:] if line.startswith("  ")]
+    assert [(row[0], row[-1]) for row in rows] == [
+        ("step", "same"),  # step output
+        ("output", "same"),
+        ("layer.weight.grad", "same"),
+        ("layer.bias.grad", "same"),
+        ("rows_seen", "differs"),
+        ("input_mean", "differs"),
+    ]
+    assert rows[4] == ["rows_seen", "4", "differs"]
+
+
+def test_long_stages_list_only_their_differing_rows() -> None:
+    comparisons = [Comparison("output", "output", 0.0, True)]
+    comparisons += [Comparison(f"layer{i}.weight.grad", "gradient", 0.0, True) for i in range(40)]
+    comparisons += [Comparison(f"bn{i}.running_mean", "buffer", 0.0, True) for i in range(35)]
+    comparisons.append(Comparison("bn0.running_var", "buffer", 0.5, False))
+    report = split_report()
+    report.step_end = False
+    report.comparisons = comparisons
+    text = format_report(report, width=100)
+    assert "  bn0.running_var" in text
+    assert "layer3.weight.grad" not in text
+    assert "... and 40 more gradients and 35 more buffers, all the same (--json lists them)" in text
 
 
 def test_density_example_through_its_config_is_clean(capsys: pytest.CaptureFixture[str]) -> None:
@@ -257,9 +465,8 @@ def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_python_dash_m_runs_the_doctor() -> None:
-    command = [sys.executable, "-m", "lightning_mgpu", "doctor", "--model", f"{MODELS}:BatchNormNet", *DATA]
+    command = [sys.executable, "-m", "lightning_mgpu", "doctor", "--model", f"{MODELS}:NormalisedPredNet", *DATA]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 1, result.stderr
-    assert "batch-dependent" in result.stdout
-    assert "batchnorm" in result.stdout
-    assert "2 errors, 1 warning: exit 1" in result.stdout
+    assert "batch-dependent  step output['pred']" in result.stdout
+    assert "3 errors, 0 warnings: exit 1" in result.stdout

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from processes import clean_env, free_port
 from zoo import (
     DDP_BATCH,
     DDP_WORLD_SIZE,
@@ -23,8 +24,6 @@ from zoo import (
     assert_same_training,
     assert_structure_kept,
     assert_trained,
-    clean_env,
-    free_port,
     train,
 )
 

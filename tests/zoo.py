@@ -8,8 +8,6 @@ and compares every parameter, buffer and logged value with one device.
 from __future__ import annotations
 
 import functools
-import os
-import socket
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -841,21 +839,3 @@ def assert_trained(outcome: Outcome, entry: Entry) -> None:
     assert "train_loss" in outcome.metrics, f"{entry.name}: train_loss was not logged"
     for name, value in entry.known.items():
         assert outcome.state[name].item() == value, f"{entry.name}: {name} is {outcome.state[name].item()}, not {value}"
-
-
-# Processes ---------------------------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """This environment without any launcher's or cluster's variables, one thread per process, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "PL_"))}
-    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK"):
-        env.pop(key, None)
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
-    return env

@@ -1,10 +1,13 @@
 """The doctor: find a LightningModule's multi-GPU traps on a laptop, before GPU hours are spent on them.
 
 It runs one training step on a probe batch twice, on one device and split across virtual CPU replicas exactly as
-``mgpu_dp`` splits it, and compares the outputs, the loss and every gradient. A difference means the step does
-batch-wise work that each replica can only do on its own chunk. The structural checks of ``model_checks`` and
-findings about unused parameters and BatchNorm complete the report. ``format`` turns the report into tables and
-``cli.py`` prints them; nothing here prints.
+``mgpu_dp`` splits it, and compares them stage by stage: what ``training_step_end`` receives (``training_step``'s
+output, gathered from the replicas when split), the hook's result, every gradient and every buffer after the step.
+The first stage that differs names the likely cause: batch-wise work in the step, state the replicas did not hand
+back to the hook, a backward that depends on the chunk, buffers updated per replica. When something differs, one
+more run with another seed shows randomness, and one replica running the whole batch shows what batch-wise work
+cannot explain. The structural checks of ``model_checks`` and findings about unused parameters and BatchNorm
+complete the report. ``format`` turns the report into tables and ``cli.py`` prints them; nothing here prints.
 
 Data flows one way: ``inputs`` → ``runs`` → ``compare`` → ``findings`` → ``report`` → ``format``; ``checkup`` calls
 the steps in that order. No module imports a later one, except the data classes of ``report`` that the steps fill.

@@ -1,7 +1,7 @@
 """The doctor's two entry points: ``run_doctor`` from class names and a config, ``diagnose`` from a model and a batch.
 
-``diagnose`` runs the step twice (``runs``), compares the runs (``compare``) and gathers the findings (``findings``)
-with the structural checks of ``model_checks`` into a ``DoctorReport``.
+``diagnose`` runs the step on one device and split (``runs``), compares the runs stage by stage (``compare``) and
+gathers the findings (``findings``) with the structural checks of ``model_checks`` into a ``DoctorReport``.
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from lightning_mgpu.doctor.compare import compare_runs, first_difference
+from lightning_mgpu.doctor.compare import compare_runs, differing
 from lightning_mgpu.doctor.findings import (
-    batch_dependent_findings,
+    Differences,
     batchnorm_findings,
     batchnorm_names,
+    difference_findings,
     loss_findings,
     random_finding,
     split_failed,
@@ -44,6 +45,7 @@ def run_doctor(
     target: Target = "mgpu_dp",
     atol: float = 1e-5,
     rtol: float = 1e-4,
+    sync_batchnorm: bool = True,
 ) -> DoctorReport:
     """Load the model and datamodule as ``lightning-mgpu doctor`` names them, and diagnose the first training batch.
 
@@ -61,6 +63,8 @@ def run_doctor(
         target: the strategy to judge the findings for.
         atol: absolute tolerance of the comparisons.
         rtol: relative tolerance of the comparisons.
+        sync_batchnorm: split as ``DataParallelStrategy(sync_batchnorm=...)`` does: ``True`` (its default) gives
+            BatchNorm layers the whole batch's statistics, ``False`` normalises each chunk by its own.
 
     Raises:
         DoctorError: the inputs do not give a model and a probe batch; the message says what to pass.
@@ -80,7 +84,16 @@ def run_doctor(
     module = instantiate(model_class, model_args, "model", "--init-args")
     datamodule = instantiate(data_class, data_args, "data", "--data-init-args")
     batch = probe_batch(datamodule, module)
-    return diagnose(module, batch, replicas=replicas, target=target, seed=seed, atol=atol, rtol=rtol)
+    return diagnose(
+        module,
+        batch,
+        replicas=replicas,
+        target=target,
+        seed=seed,
+        atol=atol,
+        rtol=rtol,
+        sync_batchnorm=sync_batchnorm,
+    )
 
 
 def diagnose(
@@ -92,17 +105,32 @@ def diagnose(
     seed: int = 0,
     atol: float = 1e-5,
     rtol: float = 1e-4,
+    sync_batchnorm: bool = True,
 ) -> DoctorReport:
     """Check ``model`` for multi-GPU traps with ``batch`` as the probe; ``model`` itself is left untouched.
 
     Both runs work on deep copies in training mode, with every ``nn.Dropout*`` module in eval mode so that dropout's
-    randomness does not look like a difference. When something differs, a third run with another seed tells
-    differences caused by batch-wise work from those caused by other randomness in the step.
+    randomness does not look like a difference. When something differs, two more runs tell the causes apart: one
+    device with another seed shows randomness in the step, and one replica running the whole batch shows what
+    batch-wise work cannot explain (a replica doing something differently from the module itself).
+    ``sync_batchnorm`` splits as ``DataParallelStrategy(sync_batchnorm=...)`` does; for ``mgpu_ddp`` each chunk
+    stands for a rank, whose BatchNorm layers see only its own rows.
     """
     _check_options(replicas, target, atol, rtol)
     report = DoctorReport(type(model).__name__, target, replicas, seed, atol, rtol)
     report.findings.extend(check_model(model))
-    report.findings.extend(batchnorm_findings(model, target, replicas))
+    if target == "mgpu_ddp":
+        report.findings.extend(batchnorm_findings(model))
+        sync_batchnorm = False
+    if not sync_batchnorm and batchnorm_names(model):
+        report.notes.append(
+            "BatchNorm layers normalise each chunk by its own statistics in the split run, as"
+            + (
+                " each mgpu_ddp rank does."
+                if target == "mgpu_ddp"
+                else " DataParallelStrategy(sync_batchnorm=False) does."
+            )
+        )
     dropouts = [name for name, module in model.named_modules() if isinstance(module, DROPOUT)]
     if dropouts:
         report.notes.append(
@@ -130,8 +158,9 @@ def diagnose(
         if reference.error is not None:
             report.findings.append(step_failed(reference.error))
             return _sorted(report)
-        split = run_split(model, batch, seed, replicas)
+        split = run_split(model, batch, seed, replicas, sync_batchnorm)
     report.loss = reference.loss_path
+    report.step_end = reference.step_end
     report.findings.extend(loss_findings(model, reference))
     if reference.backward_done:
         report.findings.extend(unused_parameter_findings(reference, target))
@@ -139,15 +168,22 @@ def diagnose(
         report.findings.append(split_failed(split.error, replicas))
         return _sorted(report)
     report.comparisons = compare_runs(reference, split, atol, rtol)
-    differing = [comparison for comparison in report.comparisons if not comparison.same]
-    if differing:
+    changed = [comparison for comparison in report.comparisons if not comparison.same]
+    if changed:
         with quiet_unattached_logging():
-            reseeded = run_reference(model, batch, seed + 1)
-        random_at = first_difference(reference, reseeded, atol, rtol)
-        if random_at is not None:
-            report.findings.append(random_finding(random_at))
-        batchnorms = batchnorm_names(model)
-        report.findings.extend(batch_dependent_findings(differing, report, batchnorms, random_at is not None))
+            random_at = differing(reference, run_reference(model, batch, seed + 1), atol, rtol)
+            whole_batch = differing(reference, run_split(model, batch, seed, replicas=1), atol, rtol)
+        if random_at:
+            report.findings.append(random_finding(random_at[0]))
+        differences = Differences(
+            changed,
+            whole_batch=frozenset(whole_batch),
+            random=bool(random_at),
+            step_end=reference.step_end,
+            assigned=tuple(reference.assigned),
+            batchnorms=tuple(batchnorm_names(model)),
+        )
+        report.findings.extend(difference_findings(differences, report))
     return _sorted(report)
 
 

@@ -1,33 +1,37 @@
-"""Comparing two runs value by value: every leaf of the step's output, then every parameter's gradient."""
+"""Comparing two runs value by value, stage by stage, so that a difference shows where it starts.
+
+The stages, in the order the step runs them: what ``training_step_end`` received (only for modules that define it),
+what Lightning receives (the hook's result, or the step's output without one), every parameter's gradient, every
+buffer after the step.
+"""
 
 from __future__ import annotations
 
 import math
 import numbers
 from collections.abc import Iterator, Mapping
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from lightning_mgpu.doctor.report import Comparison
+from lightning_mgpu.doctor.report import Comparison, Kind
 from lightning_mgpu.doctor.runs import Run
+
+STEP_OUTPUT = "step output"
+"""The root of the key paths of what ``training_step_end`` received: ``step output['pred']``."""
 
 
 def compare_runs(reference: Run, split: Run, atol: float, rtol: float) -> list[Comparison]:
-    """Every output leaf, then every parameter's gradient, of ``split`` against ``reference``.
+    """Every value of ``split`` against ``reference``: step outputs, outputs, gradients, then buffers.
 
     A value missing from one run counts as a difference, with a note saying which run lacks it.
     """
     comparisons: list[Comparison] = []
-    ours = dict(_leaves(reference.output, "output"))
-    theirs = dict(_leaves(split.output, "output"))
-    for path in [*ours, *(path for path in theirs if path not in ours)]:
-        if path not in theirs:
-            comparisons.append(Comparison(path, "output", None, False, "missing from the split run's output"))
-        elif path not in ours:
-            comparisons.append(Comparison(path, "output", None, False, "only in the split run's output"))
-        elif ours[path] is not None or theirs[path] is not None:
-            comparisons.append(_compare_values(path, "output", ours[path], theirs[path], atol, rtol))
+    if reference.step_end:
+        comparisons.extend(
+            _compare_leaves(reference.step_output, split.step_output, STEP_OUTPUT, "step-output", atol, rtol)
+        )
+    comparisons.extend(_compare_leaves(reference.output, split.output, "output", "output", atol, rtol))
     for name, grad in reference.grads.items():
         other = split.grads.get(name)
         if grad is None and other is None:
@@ -39,12 +43,35 @@ def compare_runs(reference: Run, split: Run, atol: float, rtol: float) -> list[C
             comparisons.append(Comparison(what, "gradient", None, False, "no gradient in the split run"))
         else:
             comparisons.append(_compare_values(what, "gradient", grad, other, atol, rtol))
+    for name in [*reference.buffers, *(name for name in split.buffers if name not in reference.buffers)]:
+        if name not in split.buffers:
+            comparisons.append(Comparison(name, "buffer", None, False, "missing after the split run"))
+        elif name not in reference.buffers:
+            comparisons.append(Comparison(name, "buffer", None, False, "only after the split run"))
+        else:
+            comparisons.append(
+                _compare_values(name, "buffer", reference.buffers[name], split.buffers[name], atol, rtol)
+            )
     return comparisons
 
 
-def _compare_values(
-    what: str, kind: Literal["output", "gradient"], ours: Any, theirs: Any, atol: float, rtol: float
-) -> Comparison:
+def _compare_leaves(ours: Any, theirs: Any, root: str, kind: Kind, atol: float, rtol: float) -> list[Comparison]:
+    comparisons: list[Comparison] = []
+    mine = dict(_leaves(ours, root))
+    other = dict(_leaves(theirs, root))
+    for path in [*mine, *(path for path in other if path not in mine)]:
+        if path not in other:
+            comparisons.append(Comparison(path, kind, None, False, "missing from the split run"))
+        elif path not in mine:
+            comparisons.append(Comparison(path, kind, None, False, "only in the split run"))
+        elif mine[path] is not None or other[path] is not None:
+            comparisons.append(_compare_values(path, kind, mine[path], other[path], atol, rtol))
+    return comparisons
+
+
+def _compare_values(what: str, kind: Kind, ours: Any, theirs: Any, atol: float, rtol: float) -> Comparison:
+    if isinstance(ours, numbers.Number) and isinstance(theirs, torch.Tensor) and theirs.dim() == 1:
+        ours = torch.tensor(ours)  # replicas' numbers are gathered into a tensor, one value per replica
     if not isinstance(ours, torch.Tensor) or not isinstance(theirs, torch.Tensor):
         if isinstance(ours, torch.Tensor) or isinstance(theirs, torch.Tensor):
             note = f"{_describe(ours)} on one device, {_describe(theirs)} in the split run"
@@ -54,20 +81,25 @@ def _compare_values(
         else:
             same = bool(ours == theirs)
             return Comparison(what, kind, 0.0 if same else None, same, "" if same else f"{ours!r} vs {theirs!r}")
-    if ours.shape != theirs.shape:
+    note = ""
+    if ours.dim() == 0 and theirs.dim() == 1:
+        # Replicas' 0-dim values are gathered to one value per replica: each must equal the one-device value.
+        note = f"one value on one device, one per replica ({theirs.numel()}) in the split run"
+        ours = ours.expand_as(theirs)
+    elif ours.shape != theirs.shape:
         note = f"shape {tuple(ours.shape)} on one device, {tuple(theirs.shape)} in the split run"
         return Comparison(what, kind, None, False, note)
     a = ours.detach().to("cpu", torch.float64)
     b = theirs.detach().to("cpu", torch.float64)
     same = bool(torch.allclose(b, a, rtol=rtol, atol=atol, equal_nan=True))
     if a.numel() == 0:
-        return Comparison(what, kind, 0.0, same)
+        return Comparison(what, kind, 0.0, same, note)
     difference = torch.where(a == b, torch.zeros_like(a), (a - b).abs())
     difference = torch.where(torch.isnan(a) & torch.isnan(b), torch.zeros_like(a), difference)
     largest = float(difference.max())
     if not math.isfinite(largest):
         return Comparison(what, kind, None, same, "NaN or inf in one run only")
-    return Comparison(what, kind, largest, same)
+    return Comparison(what, kind, largest, same, note)
 
 
 def _describe(value: Any) -> str:
@@ -87,11 +119,8 @@ def _leaves(value: Any, path: str) -> Iterator[tuple[str, Any]]:
         yield path, value
 
 
-def first_difference(reference: Run, other: Run, atol: float, rtol: float) -> str | None:
-    """The first value where ``other`` differs from ``reference``, or ``None``; a failed ``other`` shows nothing."""
+def differing(reference: Run, other: Run, atol: float, rtol: float) -> list[str]:
+    """The key paths where ``other`` differs from ``reference``, in order; none when ``other`` failed."""
     if other.error is not None:
-        return None
-    for comparison in compare_runs(reference, other, atol, rtol):
-        if not comparison.same:
-            return comparison.what
-    return None
+        return []
+    return [comparison.what for comparison in compare_runs(reference, other, atol, rtol) if not comparison.same]

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import re
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 from torch import nn
 
-from lightning_mgpu.doctor.report import Comparison, DoctorReport, Target
+from lightning_mgpu.doctor.report import Comparison, DoctorReport, Kind, Target
 from lightning_mgpu.doctor.runs import Run
 from lightning_mgpu.errors import BatchSplitError, GatherError
 from lightning_mgpu.hooks import has_step_end
@@ -24,24 +25,20 @@ def batchnorm_names(model: nn.Module) -> list[str]:
     ]
 
 
-def batchnorm_findings(model: nn.Module, target: Target, replicas: int) -> list[Finding]:
-    """A warning per BatchNorm layer: its statistics are per replica (mgpu_dp) or per rank (mgpu_ddp)."""
+def batchnorm_findings(model: nn.Module) -> list[Finding]:
+    """A warning per BatchNorm layer under mgpu_ddp, where each rank normalises by its own batch.
+
+    Under mgpu_dp the split run shows what BatchNorm does (see ``difference_findings``), so no warning is given
+    before it.
+    """
     findings: list[Finding] = []
     for name in batchnorm_names(model):
         kind = type(model.get_submodule(name)).__name__
-        if target == "mgpu_dp":
-            message = (
-                f"`{name}` ({kind}) normalises with per-replica statistics under mgpu_dp: each of the {replicas}"
-                " replicas uses the mean and variance of its own chunk, not of the whole batch, and only replica"
-                " 0's running statistics are kept. Accept that (with enough rows per replica), or use a"
-                " normalisation without batch statistics (GroupNorm, LayerNorm)."
-            )
-        else:
-            message = (
-                f"`{name}` ({kind}) normalises with each rank's own batch under mgpu_ddp, and keeps per-rank running"
-                " statistics (mgpu_ddp does not broadcast buffers). Pass Trainer(sync_batchnorm=True) to convert it"
-                " to SyncBatchNorm, whose statistics span every rank's batch."
-            )
+        message = (
+            f"`{name}` ({kind}) normalises with each rank's own batch under mgpu_ddp, and keeps per-rank running"
+            " statistics (mgpu_ddp does not broadcast buffers). Pass Trainer(sync_batchnorm=True) to convert it"
+            " to SyncBatchNorm, whose statistics span every rank's batch."
+        )
         findings.append(Finding("warning", "batchnorm", name, message))
     return findings
 
@@ -119,46 +116,290 @@ def unused_parameter_findings(reference: Run, target: Target) -> list[Finding]:
     return findings
 
 
-def batch_dependent_findings(
-    differing: list[Comparison], report: DoctorReport, batchnorms: list[str], random: bool
-) -> list[Finding]:
-    """A finding per differing output and one for all differing gradients, with the fix for the target.
+@dataclass(frozen=True)
+class Differences:
+    """What the split run changed, and what the doctor's extra runs say about it.
 
-    They are warnings, not errors, when ``random`` says the step draws random numbers outside ``nn.Dropout``,
-    since the differences may then be that randomness only.
+    Attributes:
+        differing: the comparisons that differ between one device and the split run, in stage order.
+        whole_batch: the key paths that differ also when one replica runs the whole batch, which batch-wise work
+            cannot explain: a replica does something differently from the module itself.
+        random: whether the step draws random numbers outside ``nn.Dropout``, so differences may be that.
+        step_end: whether the module defines ``training_step_end``.
+        assigned: the attributes that ``training_step`` assigned on the module on one device.
+        batchnorms: the BatchNorm layers of the model that normalise by their own batch.
     """
-    level: Literal["error", "warning"] = "warning" if random else "error"
-    chunks = " + ".join(str(size) for size in report.chunk_sizes)
-    between = f"between one device and {chunks} rows on {len(report.chunk_sizes)} replicas"
-    cause = (
-        f", here BatchNorm ({', '.join(batchnorms)}) normalising each chunk by its own statistics" if batchnorms else ""
-    )
-    fix = _batch_dependent_fix(report.target, bool(batchnorms))
-    doubt = (
-        " The step is random outside nn.Dropout (see random-step), so this may be that randomness only."
-        if random
-        else ""
-    )
-    findings: list[Finding] = []
-    outputs = [comparison for comparison in differing if comparison.kind == "output"]
-    for comparison in outputs:
-        size = comparison.note if comparison.max_abs_diff is None else f"max abs diff {comparison.max_abs_diff:.3g}"
-        message = (
-            f"`{comparison.what}` differs {between} ({size}): training_step does batch-wise work that each replica"
-            f" does on its chunk only{cause}. {fix}{doubt}"
-        )
-        findings.append(Finding(level, "batch-dependent", comparison.what, message))
-    gradients = [comparison for comparison in differing if comparison.kind == "gradient"]
+
+    differing: list[Comparison]
+    whole_batch: frozenset[str] = frozenset()
+    random: bool = False
+    step_end: bool = False
+    assigned: tuple[str, ...] = ()
+    batchnorms: tuple[str, ...] = ()
+
+    def of(self, kind: Kind) -> list[Comparison]:
+        """The differing comparisons of one stage."""
+        return [comparison for comparison in self.differing if comparison.kind == kind]
+
+    @property
+    def per_replica_batchnorms(self) -> list[str]:
+        """The BatchNorm layers whose running statistics differ: they normalised each chunk by its own statistics.
+
+        Judged from the run, not assumed, since the engine may give every replica the whole batch's statistics.
+        """
+        changed = {_owner(comparison.what) for comparison in self.of("buffer")}
+        return [layer for layer in self.batchnorms if layer in changed]
+
+
+def difference_findings(differences: Differences, report: DoctorReport) -> list[Finding]:
+    """The findings that explain the differences, each naming its key paths, the likely cause and the fix.
+
+    A difference is blamed on the first stage it shows in: what ``training_step`` returned (batch-wise work in the
+    step), else ``training_step_end``'s result (state the replicas did not hand back), else the gradients (the
+    backward depends on something the outputs do not show); later stages that follow from it say so. Buffers are
+    judged on their own, since replicas update them from their chunks whatever the outputs do.
+    """
+    text = _Wording.of(differences, report)
+    roots = differences.of("step-output" if differences.step_end else "output")
+    results = differences.of("output") if differences.step_end else []
+    gradients = differences.of("gradient")
+    findings = [_root_finding(comparison, differences, text, bool(results or gradients)) for comparison in roots]
+    if results:
+        if roots:
+            findings.append(_follow_on(results, roots, differences, text))
+        else:
+            findings.append(_step_end_finding(results, differences, text))
     if gradients:
-        names = [comparison.what.removesuffix(".grad") for comparison in gradients]
-        worst = max(gradients, key=_sort_key)
-        size = "" if worst.max_abs_diff is None else f" (max abs diff {worst.max_abs_diff:.3g} at {worst.what})"
-        message = (
-            f"The gradients of {len(names)} parameter(s) differ {between}{size}: the loss depends on batch-wise work"
-            f" done per chunk{cause}. {'The fix above applies.' if outputs else fix}{doubt}"
-        )
-        findings.append(Finding(level, "batch-dependent", _short_list(names), message))
+        if roots or results:
+            findings.append(_follow_on(gradients, roots or results, differences, text))
+        else:
+            findings.append(_backward_finding(gradients, differences, text))
+    findings.extend(_buffer_findings(differences.of("buffer"), differences, text, report))
     return findings
+
+
+@dataclass(frozen=True)
+class _Wording:
+    """The phrases the difference findings share."""
+
+    level: Literal["error", "warning"]
+    between: str
+    cause: str
+    fix: str
+    doubt: str
+    target: Target
+
+    @classmethod
+    def of(cls, differences: Differences, report: DoctorReport) -> _Wording:
+        chunks = " + ".join(str(size) for size in report.chunk_sizes)
+        batchnorms = ", ".join(differences.per_replica_batchnorms)
+        return cls(
+            level="warning" if differences.random else "error",
+            between=f"between one device and {chunks} rows on {len(report.chunk_sizes)} replicas",
+            cause=f", here BatchNorm ({batchnorms}) normalising each chunk by its own statistics" if batchnorms else "",
+            fix=_batch_dependent_fix(report.target, bool(batchnorms)),
+            doubt=(
+                " The step is random outside nn.Dropout (see random-step), so this may be that randomness only."
+                if differences.random
+                else ""
+            ),
+            target=report.target,
+        )
+
+    @property
+    def replica_level(self) -> Literal["error", "warning"]:
+        """Only mgpu_dp has replicas: what only a replica does is a warning when judging for mgpu_ddp."""
+        return "warning" if self.target == "mgpu_ddp" else self.level
+
+    @property
+    def dp_only(self) -> str:
+        if self.target != "mgpu_ddp":
+            return ""
+        return " mgpu_ddp runs the step on the module itself, so this concerns mgpu_dp only."
+
+
+def _root_finding(comparison: Comparison, differences: Differences, text: _Wording, downstream: bool) -> Finding:
+    what = f"`{comparison.what}`"
+    if comparison.kind == "step-output":
+        what += ", which training_step_end receives,"
+    differs = f"{what} differs {text.between} ({_size([comparison])})"
+    if comparison.what in differences.whole_batch:
+        return Finding(
+            text.replica_level,
+            "replica-state",
+            comparison.what,
+            f"{differs}, and also when one replica runs the whole batch, so it is not batch-wise work: training_step"
+            " reads something that is not the same inside a replica as on the module itself, such as state kept on"
+            " self or a module's parameters read other than through its forward. Compute it from the step's inputs"
+            " through the modules' forward, or in training_step_end, where self is the module itself."
+            f"{text.dp_only}{text.doubt}",
+        )
+    batch_wise = (
+        f"{differs}: training_step does batch-wise work that each replica does on its own chunk only{text.cause}."
+    )
+    if differences.step_end and not downstream:
+        return Finding(
+            "warning",
+            "batch-dependent",
+            comparison.what,
+            f"{batch_wise} training_step_end's result and the gradients are the same here, so the hook absorbs the"
+            " difference for this batch; it may not for chunks of unequal size, such as a smaller last batch."
+            f" {text.fix}{text.doubt}",
+        )
+    return Finding(text.level, "batch-dependent", comparison.what, f"{batch_wise} {text.fix}{text.doubt}")
+
+
+def _follow_on(
+    comparisons: list[Comparison], sources: list[Comparison], differences: Differences, text: _Wording
+) -> Finding:
+    """The finding for a later stage that differs because ``sources`` do: their check, their cause, their fix."""
+    named = _quoted([source.what for source in sources])
+    if sources[0].kind == "output" and differences.step_end:
+        check, level = "step-end-state", text.replica_level
+        cause = f"{named}, where training_step_end reads state the replicas did not hand back"
+    elif all(source.what in differences.whole_batch for source in sources):
+        check, level = "replica-state", text.replica_level
+        cause = f"{named}, which {_verb(sources, 'differs', 'differ')} even when one replica runs the whole batch"
+    else:
+        check, level = "batch-dependent", text.level
+        cause = f"{named}, which training_step computes batch-wise on each replica's chunk{text.cause}"
+    paths = [comparison.what for comparison in comparisons]
+    if comparisons[0].kind == "gradient":
+        stage = _gradients([path.removesuffix(".grad") for path in paths])
+        where = _short_list([path.removesuffix(".grad") for path in paths])
+    else:
+        stage = f"training_step_end's result {_quoted(paths)}"
+        where = _short_list(paths)
+    return Finding(
+        level,
+        check,
+        where,
+        f"{stage} {_verb(comparisons, 'differs', 'differ')} {text.between} ({_size(comparisons)}), a consequence of"
+        f" {cause} (see above). The fix above applies.{text.doubt}",
+    )
+
+
+def _step_end_finding(results: list[Comparison], differences: Differences, text: _Wording) -> Finding:
+    paths = [comparison.what for comparison in results]
+    if differences.assigned:
+        state = (
+            f" training_step assigns {_quoted(['self.' + name for name in differences.assigned])}; inside a replica"
+            " that lands on the replica's own copy, which is discarded after the step, so training_step_end reads the"
+            " module's old value."
+        )
+    else:
+        state = (
+            " It reads state that the replicas changed in training_step (an attribute, or an object such as a list or"
+            " dict that every replica mutates), which is not what one device leaves."
+        )
+    return Finding(
+        text.replica_level,
+        "step-end-state",
+        _short_list(paths),
+        f"training_step_end's result {_quoted(paths)} {_verb(results, 'differs', 'differ')} {text.between}"
+        f" ({_size(results)}) although every step output it receives is the same: training_step_end depends on"
+        f" something the replicas did not hand back.{state}"
+        " Return what training_step_end needs from training_step, so that it is gathered from every replica."
+        f"{text.dp_only}{text.doubt}",
+    )
+
+
+def _backward_finding(gradients: list[Comparison], differences: Differences, text: _Wording) -> Finding:
+    names = [comparison.what.removesuffix(".grad") for comparison in gradients]
+    if any(comparison.what in differences.whole_batch for comparison in gradients):
+        cause = (
+            " They differ also when one replica runs the whole batch, so a replica reads something differently from"
+            " the module: parameters used inside training_step other than through the modules' forward, or state"
+            f" kept on self. Compute such terms in training_step_end, where self is the module.{text.dp_only}"
+        )
+        level = text.replica_level
+    else:
+        cause = (
+            " The backward pass depends on the chunk in a way the returned values do not show: a gradient scaled or"
+            " replaced by a statistic of the chunk (a straight-through estimator such as x.detach() + ..., a custom"
+            " autograd Function, a gradient hook), or a term of the loss computed per replica that is not returned."
+            " Compute the batch statistic in training_step_end, on the outputs gathered from every replica."
+        )
+        level = text.level
+    return Finding(
+        level,
+        "backward-dependent",
+        _short_list(names),
+        f"{_gradients(names)} {_verb(gradients, 'differs', 'differ')} {text.between} ({_size(gradients)})"
+        f" although every output of the step is the same.{cause}{text.doubt}",
+    )
+
+
+def _buffer_findings(
+    buffers: list[Comparison], differences: Differences, text: _Wording, report: DoctorReport
+) -> list[Finding]:
+    """Buffers whose update in a replica is lost, BatchNorm statistics, other buffers updated per chunk."""
+    lost = [comparison for comparison in buffers if comparison.what in differences.whole_batch]
+    per_chunk = [comparison for comparison in buffers if comparison not in lost]
+    statistics = [comparison for comparison in per_chunk if _owner(comparison.what) in differences.batchnorms]
+    others = [comparison for comparison in per_chunk if comparison not in statistics]
+    first_chunk = f"replica 0's chunk of {report.chunk_sizes[0]} rows" if report.chunk_sizes else "replica 0's chunk"
+    findings: list[Finding] = []
+    if lost:
+        names = [comparison.what for comparison in lost]
+        findings.append(
+            Finding(
+                text.replica_level,
+                "buffer-update",
+                _short_list(names),
+                f"{_buffers(names)} {_verb(lost, 'differs', 'differ')} after the step {text.between} ({_size(lost)}),"
+                " and also when one replica runs the whole batch: the update training_step makes inside a replica does"
+                " not reach the module, as when a buffer is reassigned (self.count = self.count + 1) instead of"
+                " updated in place. Update it in place (self.count += 1, self.mean.copy_(...)), or in"
+                f" training_step_end, where self is the module itself.{text.dp_only}{text.doubt}",
+            )
+        )
+    if statistics and report.target == "mgpu_dp":
+        # Under mgpu_ddp the up-front batchnorm warning already says what to do.
+        for layer in differences.per_replica_batchnorms:
+            of_layer = [comparison for comparison in statistics if _owner(comparison.what) == layer]
+            findings.append(_per_replica_batchnorm(layer, of_layer, text, first_chunk))
+    if others:
+        names = [comparison.what for comparison in others]
+        if text.target == "mgpu_ddp":
+            fix = (
+                "Under mgpu_ddp each rank updates its own copy from its own batch and the ranks drift apart (buffers"
+                " are not broadcast unless DDPStrategy(broadcast_buffers=True)); combine the update over the ranks"
+                " (self.all_gather) before applying it."
+            )
+        else:
+            fix = (
+                f"Under mgpu_dp only replica 0's update is kept, computed from {first_chunk}. Return what the update"
+                " needs from training_step and update the buffer in training_step_end, from the outputs of every"
+                " replica."
+            )
+        findings.append(
+            Finding(
+                text.level,
+                "buffer-update",
+                _short_list(names),
+                f"{_buffers(names)} {_verb(others, 'differs', 'differ')} after the step {text.between}"
+                f" ({_size(others)}): training_step updates {_verb(others, 'it', 'them')} in each replica from that"
+                f" replica's chunk. {fix}{text.doubt}",
+            )
+        )
+    return findings
+
+
+def _per_replica_batchnorm(layer: str, statistics: list[Comparison], text: _Wording, first_chunk: str) -> Finding:
+    names = [comparison.what for comparison in statistics]
+    return Finding(
+        "warning",
+        "batchnorm",
+        layer,
+        f"`{layer}` (BatchNorm) normalises with per-replica statistics under mgpu_dp: its running statistics"
+        f" {_quoted(names)} {_verb(statistics, 'differs', 'differ')} after the step {text.between}"
+        f" ({_size(statistics)}), as each replica uses the mean and variance of its own chunk, not of the whole"
+        f" batch, and only replica 0's running statistics are kept, computed from {first_chunk}. Keep"
+        " DataParallelStrategy's default sync_batchnorm=True, which gives every replica the whole batch's"
+        " statistics, or accept per-replica statistics (with enough rows per replica); under mgpu_ddp, use"
+        f" SyncBatchNorm (Trainer(sync_batchnorm=True)).{text.doubt}",
+    )
 
 
 def _batch_dependent_fix(target: Target, batchnorm: bool) -> str:
@@ -171,12 +412,48 @@ def _batch_dependent_fix(target: Target, batchnorm: bool) -> str:
     return (
         "Move the batch-wise computation (means over the batch, in-batch negatives, top-k across the batch) into"
         " training_step_end, which receives the outputs of every replica gathered"
-        + ("; for BatchNorm, use SyncBatchNorm under mgpu_ddp or accept per-replica statistics." if batchnorm else ".")
+        + (
+            "; for BatchNorm, keep DataParallelStrategy's default sync_batchnorm=True, which gives every replica the"
+            " whole batch's statistics."
+            if batchnorm
+            else "."
+        )
     )
 
 
-def _sort_key(comparison: Comparison) -> float:
-    return -1.0 if comparison.max_abs_diff is None else comparison.max_abs_diff
+def _size(comparisons: list[Comparison]) -> str:
+    """The largest difference among ``comparisons``, and where it is when there are several."""
+    worst = max(
+        comparisons, key=lambda comparison: -1.0 if comparison.max_abs_diff is None else comparison.max_abs_diff
+    )
+    if worst.max_abs_diff is None:
+        return worst.note if len(comparisons) == 1 else f"{worst.note} at {worst.what}"
+    at = f" at {worst.what}" if len(comparisons) > 1 else ""
+    return f"max abs diff {worst.max_abs_diff:.3g}{at}"
+
+
+def _owner(buffer: str) -> str:
+    return buffer.rpartition(".")[0]
+
+
+def _quoted(paths: list[str], shown: int | None = None) -> str:
+    """The paths in backticks, all of them unless ``shown`` limits them."""
+    listed = ", ".join(f"`{path}`" for path in paths[:shown])
+    return listed if shown is None or len(paths) <= shown else f"{listed} and {len(paths) - shown} more"
+
+
+def _verb(items: list[Any], one: str, more: str) -> str:
+    return one if len(items) == 1 else more
+
+
+def _gradients(names: list[str]) -> str:
+    if len(names) == 1:
+        return f"The gradient of `{names[0]}`"
+    return f"The gradients of {len(names)} parameters ({_quoted(names, 8)})"
+
+
+def _buffers(names: list[str]) -> str:
+    return f"The buffer{'' if len(names) == 1 else 's'} {_quoted(names)}"
 
 
 def random_finding(where: str) -> Finding:

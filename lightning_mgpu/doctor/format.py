@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import shutil
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from lightning_mgpu.doctor.command import EXIT_FOUND_ERRORS, EXIT_OK, PROG
-from lightning_mgpu.doctor.report import DoctorReport
+from lightning_mgpu.doctor.report import Comparison, DoctorReport
 
-_MAX_GRADIENT_ROWS = 30
+_MAX_ROWS = 30
+_LONG = ("gradient", "buffer")
+"""The stages that can run to thousands of rows: past ``_MAX_ROWS``, the table lists only their differing rows."""
 
 
 def format_report(report: DoctorReport, width: int | None = None) -> str:
@@ -48,41 +50,67 @@ def format_report(report: DoctorReport, width: int | None = None) -> str:
 
 
 def _comparison_table(report: DoctorReport, width: int) -> list[str]:
-    comparisons = report.comparisons
-    gradients = [comparison for comparison in comparisons if comparison.kind == "gradient"]
-    hidden = 0
-    if len(gradients) > _MAX_GRADIENT_ROWS:
-        shown = [comparison for comparison in comparisons if comparison.kind == "output" or not comparison.same]
-        hidden = len(comparisons) - len(shown)
-        comparisons = shown
-    with_notes = any(comparison.note for comparison in comparisons)
+    """One table, in stages under their own headings; when a stage is long, only its differing rows are listed."""
+    stages = {
+        "step-output": "training_step's output, gathered from the replicas: what training_step_end receives",
+        "output": (
+            "training_step_end's result: what Lightning receives"
+            if report.step_end
+            else "training_step's output: what Lightning receives (chunk losses averaged by chunk size)"
+        ),
+        "gradient": "gradients",
+        "buffer": "buffers after the step",
+    }
+    shown: list[Comparison] = []
+    hidden: list[str] = []
+    for kind in stages:
+        of_kind = [comparison for comparison in report.comparisons if comparison.kind == kind]
+        if kind in _LONG and len(of_kind) > _MAX_ROWS:
+            listed = [comparison for comparison in of_kind if not comparison.same]
+            hidden.append(_count(len(of_kind) - len(listed), f"more {kind}"))
+            of_kind = listed
+        shown.extend(of_kind)
+    with_notes = any(comparison.note for comparison in shown)
     headers = ["what", "max abs diff", "verdict", *(["note"] if with_notes else [])]
     rows = [
         [
-            comparison.what,
+            f"  {comparison.what}",
             "-" if comparison.max_abs_diff is None else f"{comparison.max_abs_diff:.3g}",
             comparison.verdict,
             *([comparison.note] if with_notes else []),
         ]
-        for comparison in comparisons
+        for comparison in shown
     ]
-    lines = _table(headers, rows, width)
+    headings: dict[int, str] = {}
+    for index, comparison in enumerate(shown):
+        if index == 0 or shown[index - 1].kind != comparison.kind:
+            headings[index] = stages[comparison.kind]
+    lines = _table(headers, rows, width, headings=headings)
     if hidden:
-        lines.append(f"... and {hidden} more gradients, all the same (--json lists them)")
+        lines.append(f"... and {' and '.join(hidden)}, all the same (--json lists them)")
     return lines
 
 
 def _table(
-    headers: Sequence[str], rows: Sequence[Sequence[str]], width: int, caps: Sequence[int | None] = ()
+    headers: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    width: int,
+    caps: Sequence[int | None] = (),
+    headings: Mapping[int, str] | None = None,
 ) -> list[str]:
-    """Columns as wide as their longest cell, or ``caps[i]``; cells wrap, the last column to fit ``width``."""
+    """Columns as wide as their longest cell, or ``caps[i]``; cells wrap, the last column to fit ``width``.
+
+    ``headings`` puts a line of its own before the row of that index, outside the columns.
+    """
     widths = [max(len(cell) for cell in column) for column in zip(headers, *rows, strict=True)]
     for index, cap in enumerate(caps):
         if cap is not None:
             widths[index] = min(widths[index], cap)
     widths[-1] = min(widths[-1], max(40, width - sum(widths[:-1]) - 2 * (len(widths) - 1)))
     lines = [_row(headers, widths), _row(["-" * size for size in widths], widths)]
-    for row in rows:
+    for index, row in enumerate(rows):
+        if headings and index in headings:
+            lines.append(headings[index])
         cells = [textwrap.wrap(cell, size) or [""] for cell, size in zip(row, widths, strict=True)]
         for line in range(max(len(cell) for cell in cells)):
             lines.append(_row([cell[line] if line < len(cell) else "" for cell in cells], widths))

@@ -12,6 +12,7 @@ from lightning_mgpu.model_checks import Finding
 
 Target = Literal["mgpu_dp", "mgpu_ddp"]
 TARGETS: tuple[Target, ...] = ("mgpu_dp", "mgpu_ddp")
+Kind = Literal["step-output", "output", "gradient", "buffer"]
 
 
 @dataclass(frozen=True)
@@ -19,8 +20,12 @@ class Comparison:
     """One value compared between the one-device run and the split run.
 
     Attributes:
-        what: the key path of an output (``"output['loss']"``) or a parameter's gradient (``"layer.weight.grad"``).
-        kind: ``"output"`` or ``"gradient"``.
+        what: the key path of a value: what ``training_step_end`` received (``"step output['pred']"``), what
+            Lightning receives (``"output['loss']"``), a parameter's gradient (``"layer.weight.grad"``) or a buffer
+            after the step (``"bn.running_mean"``).
+        kind: the stage, in the order the step runs them: ``"step-output"`` (only for modules that define
+            ``training_step_end``: ``training_step``'s output on one device, the replicas' outputs gathered when
+            split), ``"output"`` (the hook's result, or the step's output without one), ``"gradient"``, ``"buffer"``.
         max_abs_diff: the largest absolute difference; ``None`` when shapes differ, a value is missing, or a
             difference is not finite (NaN or inf in one run only).
         same: within ``atol + rtol * |one-device value|`` everywhere, with equal shapes.
@@ -28,7 +33,7 @@ class Comparison:
     """
 
     what: str
-    kind: Literal["output", "gradient"]
+    kind: Kind
     max_abs_diff: float | None
     same: bool
     note: str = ""
@@ -53,8 +58,10 @@ class DoctorReport:
         batch_rows: the probe batch's rows along dim 0; ``None`` when the batch cannot be split.
         chunk_sizes: the rows each replica received in the split run.
         loss: the key path of the loss in the step's output, or ``None`` when the step returned no loss.
+        step_end: whether the module defines ``training_step_end``, so that what it receives was compared too.
         findings: the problems, errors first.
-        comparisons: the values compared, outputs first, then gradients in parameter order.
+        comparisons: the values compared, stage by stage: step outputs, outputs, gradients (in parameter order),
+            buffers.
         notes: what the doctor did that affects how to read the rest (dropout switched off, ...).
     """
 
@@ -67,6 +74,7 @@ class DoctorReport:
     batch_rows: int | None = None
     chunk_sizes: list[int] = field(default_factory=list)
     loss: str | None = None
+    step_end: bool = False
     findings: list[Finding] = field(default_factory=list)
     comparisons: list[Comparison] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -93,6 +101,7 @@ class DoctorReport:
             "batch_rows": self.batch_rows,
             "chunk_sizes": list(self.chunk_sizes),
             "loss": self.loss,
+            "step_end": self.step_end,
             "findings": [asdict(finding) for finding in self.findings],
             "comparisons": [{**asdict(comparison), "verdict": comparison.verdict} for comparison in self.comparisons],
             "notes": list(self.notes),

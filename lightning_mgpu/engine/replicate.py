@@ -102,7 +102,7 @@ def assigned_attributes(module: nn.Module, replica: nn.Module, ignore: frozenset
     They live on the replica only and are gone after the call; names starting with ``_`` and those in ``ignore``
     are bookkeeping of torch, Lightning or the caller, not state the model meant to keep.
     """
-    assigned = []
+    assigned: list[str] = []
     for (prefix, original), shell in zip(module.named_modules(), replica.modules(), strict=True):
         state = original.__dict__
         changed = [

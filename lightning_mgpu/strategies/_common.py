@@ -58,7 +58,8 @@ class MGPUStrategyMixin:
             return
         release_step_end(module)
         forward = module.__dict__.get("forward")
-        if getattr(forward, "__self__", None) is module and getattr(forward, "__func__", None) is type(module).forward:
+        own_forward = getattr(type(module), "forward", None)
+        if getattr(forward, "__self__", None) is module and getattr(forward, "__func__", None) is own_forward:
             del module.__dict__["forward"]
 
     def process_dataloader(self, dataloader: object) -> object:

@@ -21,6 +21,7 @@ class StepHealth:
     def __init__(self, strategy_name: str) -> None:
         self.strategy_name = strategy_name
         self._reported: set[str] = set()
+        self._checks: dict[str, int] = {}
         self._finite: torch.Tensor | None = None
         self._unread = 0
 
@@ -86,16 +87,24 @@ class StepHealth:
                 f" whole batch. {fix}",
             )
 
-    def wants(self, kind: str) -> bool:
-        """Whether a problem of ``kind`` has not been reported yet, so a costly check is still worth running."""
-        return kind not in self._reported
+    def wants(self, kind: str, checks: int = 3) -> bool:
+        """Whether to run a costly check of ``kind`` now: for its first ``checks`` calls, until it finds something.
+
+        What these checks look at (attributes a step assigns, BatchNorm layers in training mode) is the same in
+        every step of a run, so the first steps show it and later steps need not pay for it.
+        """
+        done = self._checks.get(kind, 0)
+        if kind in self._reported or done >= checks:
+            return False
+        self._checks[kind] = done + 1
+        return True
 
     def check_assigned(self, paths: Sequence[str], step: str) -> None:
         """Attributes a replica assigned live on that replica only and are gone when the step ends."""
         if paths:
             listed = ", ".join(f"self.{path}" for path in paths[:5]) + (" ..." if len(paths) > 5 else "")
             self._report(
-                "attributes",
+                f"attributes in {step}",
                 f"{self.strategy_name}: {step} assigned {listed} inside the replicas. Each replica is a copy that"
                 " lives for one step, so these values are discarded and the module keeps what it had before the"
                 " step (as with torch.nn.DataParallel). Return the values from the step instead (they are"

@@ -55,7 +55,7 @@ def run_replica_step(
     for log, rows in zip(logs, replica_outputs.sizes, strict=True):
         log.rows = rows
     replay(logs, module, wrapper.root_device)
-    if health is not None and health.wants("attributes"):
+    if health is not None and health.wants(f"attributes in {step}"):
         assigned = assigned_attributes(module, replica_outputs.replicas[0], _SET_BY_PREPARE)
         health.check_assigned(assigned, step)
     gathered = wrapper.gather(replica_outputs.outputs)
