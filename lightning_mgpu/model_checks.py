@@ -71,6 +71,18 @@ def check_model(module: nn.Module) -> list[Finding]:
             found = _check_attribute(where, value)
             if found and not _stored_by_stock_code(submodule, name):
                 findings.extend(found)
+    findings.extend(
+        Finding(
+            "error",
+            "uninitialized-parameter",
+            name,
+            f"`{name}` belongs to a lazy module that has not run yet, so it has no shape to replicate or all-reduce."
+            " Run one forward pass on a batch before fit (in __init__ or setup, e.g. self(example_batch)), or give"
+            " the layer its input size (nn.Linear(in_features, ...) instead of nn.LazyLinear).",
+        )
+        for name, parameter in module.named_parameters()
+        if nn.parameter.is_lazy(parameter)
+    )
     return findings
 
 
