@@ -238,3 +238,20 @@ class ChunkMeanLossNet(_Net):
 
     def training_step_end(self, output: dict[str, torch.Tensor]) -> torch.Tensor:
         return output["loss"].mean()
+
+
+class CountMeanLossNet(_Net):
+    """A loss that is a mean over the rows with a positive target, not over all rows: a token-style mean.
+
+    With ``weighted``, the step states that count as ``loss_weight``, which makes mgpu_dp's combination exact.
+    """
+
+    def __init__(self, weighted: bool = False) -> None:
+        super().__init__()
+        self.weighted = weighted
+
+    def training_step(self, batch: Batch, batch_idx: int) -> dict[str, torch.Tensor]:
+        x, y = batch
+        counted = (y > 0).squeeze(1)
+        loss = (self.layer(x) - y).pow(2).squeeze(1)[counted].mean()
+        return {"loss": loss, "loss_weight": counted.sum()} if self.weighted else {"loss": loss}

@@ -470,3 +470,12 @@ def test_python_dash_m_runs_the_doctor() -> None:
     assert result.returncode == 1, result.stderr
     assert "batch-dependent  step output['pred']" in result.stdout
     assert "3 errors, 0 warnings: exit 1" in result.stdout
+
+
+def test_a_mean_over_a_count_other_than_rows_points_to_loss_weight() -> None:
+    report = doctor("CountMeanLossNet")
+    message = message_of(report, "batch-dependent", "output['loss']")
+    assert "return {'loss': loss, 'loss_weight': count} from training_step" in message
+    weighted = doctor("CountMeanLossNet", init_args={"weighted": True})
+    assert [finding for finding in weighted.findings if finding.level == "error"] == []
+    assert verdicts(weighted)["output['loss']"] == "same"

@@ -22,6 +22,7 @@ from torch import nn
 
 import lightning_mgpu
 from lightning_mgpu import DataParallelStrategy
+from lightning_mgpu.errors import ConfigurationError, GatherError
 
 
 def _fit(
@@ -518,3 +519,70 @@ def test_fit_leaves_the_module_with_the_attributes_one_device_leaves(fails: bool
         assert not hasattr(model, "replica_index")
         assert not hasattr(model, "num_replicas")
     assert names[0] == names[1]
+
+
+class _TokenModel(Regressor):
+    """A token-level cross-entropy over padded sequences: a mean over the real tokens, not over the rows."""
+
+    def __init__(self, weighted: bool) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.embed = nn.Embedding(7, 4)
+        self.head = nn.Linear(4, 7)
+        self.weighted = weighted
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        (tokens,) = batch
+        logits = self.head(self.embed(tokens[:, :-1]))
+        targets = tokens[:, 1:]
+        loss = nn.functional.cross_entropy(logits.reshape(-1, 7), targets.reshape(-1), ignore_index=0)
+        self.log("token_loss", loss)
+        if not self.weighted:
+            return {"loss": loss}
+        return {"loss": loss, "loss_weight": (targets != 0).sum()}
+
+
+def _token_data() -> torch.utils.data.TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(1, 7, (10, 6), generator=generator)
+    lengths = torch.tensor([6, 2, 5, 3, 6, 2, 4, 6, 3, 5])
+    tokens[torch.arange(6) >= lengths[:, None]] = 0  # padding after each row's length
+    return torch.utils.data.TensorDataset(tokens)
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_a_loss_weight_makes_a_token_level_mean_exact(devices: int) -> None:
+    def fit(model: L.LightningModule, **overrides: Any) -> L.Trainer:
+        fitted = trainer(max_steps=2, **overrides)
+        fitted.fit(model, loader(_token_data(), 5))
+        return fitted
+
+    single = _TokenModel(weighted=True)
+    fit(single)
+    weighted = _TokenModel(weighted=True)
+    fit(weighted, devices=devices, strategy="mgpu_dp")
+    assert_same_parameters(parameters(single), parameters(weighted))
+    by_rows = _TokenModel(weighted=False)
+    fit(by_rows, devices=devices, strategy="mgpu_dp")
+    drift = max((parameters(single)[name] - parameters(by_rows)[name]).abs().max() for name in parameters(single))
+    assert drift > 1e-4, "weighting by rows should differ from the token mean on these uneven sequences"
+
+
+def test_a_loss_weight_from_only_some_replicas_is_refused_by_name() -> None:
+    class Partial(_TokenModel):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            output = super().training_step(batch, batch_idx)
+            return output if self.replica_index == 0 else {"loss": output["loss"]}
+
+    with pytest.raises(GatherError, match=r"replica 1 has keys \['loss'\] but replica 0 returned \['loss', 'loss_w"):
+        trainer(max_steps=1, devices=2, strategy="mgpu_dp").fit(Partial(weighted=True), loader(_token_data(), 5))
+
+
+def test_a_loss_weight_that_is_not_a_count_is_refused() -> None:
+    class Listed(_TokenModel):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            output = super().training_step(batch, batch_idx)
+            return {"loss": output["loss"], "loss_weight": output["loss_weight"].reshape(1).repeat(2)}
+
+    with pytest.raises(ConfigurationError, match=r"'loss_weight' must be a number or a 0-dim tensor"):
+        trainer(max_steps=1, devices=2, strategy="mgpu_dp").fit(Listed(weighted=True), loader(_token_data(), 5))

@@ -246,7 +246,23 @@ def _root_finding(comparison: Comparison, differences: Differences, text: _Wordi
             " difference for this batch; it may not for chunks of unequal size, such as a smaller last batch."
             f" {text.fix}{text.doubt}",
         )
-    return Finding(text.level, "batch-dependent", comparison.what, f"{batch_wise} {text.fix}{text.doubt}")
+    return Finding(
+        text.level,
+        "batch-dependent",
+        comparison.what,
+        f"{batch_wise} {_loss_weight_hint(comparison, differences, text)}{text.fix}{text.doubt}",
+    )
+
+
+def _loss_weight_hint(comparison: Comparison, differences: Differences, text: _Wording) -> str:
+    """For a loss combined by rows: the way to state the count it is a mean over, when that is not the rows."""
+    if differences.step_end or text.target == "mgpu_ddp" or comparison.what not in ("output", "output['loss']"):
+        return ""
+    return (
+        "If the loss is a mean over a count other than the rows (tokens, unmasked positions, pairs), return"
+        " {'loss': loss, 'loss_weight': count} from training_step: mgpu_dp then weighs each replica's loss by its"
+        " count instead of its rows, which equals one device's mean. Otherwise: "
+    )
 
 
 def _follow_on(

@@ -76,6 +76,9 @@ def _loss_of(output: Any) -> Any:
     return output.get("loss") if isinstance(output, dict) else output
 
 
+LOSS_WEIGHT = "loss_weight"
+"""The key next to ``"loss"`` that states the count a replica's loss is a mean over (see ``_reduce_loss``)."""
+
 _SET_BY_PREPARE = frozenset({"replica_index", "num_replicas", "manual_backward", "log", "forward"})
 
 
@@ -102,13 +105,27 @@ def _refuse_manual_backward(*args: Any, **kwargs: Any) -> None:
 
 
 def _reduce_loss(replica_outputs: ReplicaOutputs, gathered: Any) -> Any:
-    """Without a ``*_step_end`` hook, combine per-replica scalar losses into the single-device loss."""
+    """Without a ``*_step_end`` hook, combine per-replica scalar losses into the single-device loss.
+
+    Each replica's loss is weighted by its rows, or by the ``"loss_weight"`` it returned next to ``"loss"`` (the
+    count its loss is a mean over: tokens, unmasked positions), which makes the combination exact for such means.
+    """
     outputs = replica_outputs.outputs
     sizes = replica_outputs.sizes
     if all(isinstance(output, torch.Tensor) and output.dim() == 0 for output in outputs):
         return weighted_mean(gathered, sizes)
     if all(isinstance(output, dict) and _is_scalar(output.get("loss")) for output in outputs):
-        gathered["loss"] = weighted_mean(gathered["loss"], sizes)
+        if LOSS_WEIGHT not in gathered:  # gathering checked that every replica returned the same keys
+            gathered["loss"] = weighted_mean(gathered["loss"], sizes)
+            return gathered
+        weights = gathered[LOSS_WEIGHT]
+        if not (isinstance(weights, torch.Tensor) and weights.dim() == 1 and len(weights) == len(outputs)):
+            raise ConfigurationError(
+                f"training_step's {LOSS_WEIGHT!r} must be a number or a 0-dim tensor (the count the loss is a mean"
+                f" over), but the replicas returned {weights!r}."
+            )
+        gathered["loss"] = weighted_mean(gathered["loss"], weights)
+        gathered[LOSS_WEIGHT] = weights.sum()
     return gathered
 
 
