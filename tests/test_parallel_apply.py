@@ -36,6 +36,23 @@ def test_grad_and_inference_mode_follow_the_caller() -> None:
     assert (no_grad, inference, grad) == ([False, False], [True, True], [True, True])
 
 
+def test_the_callers_autocast_reaches_every_replica() -> None:
+    apply = ParallelApply(2)
+    weight = torch.randn(3, 3)
+
+    def matmul() -> torch.dtype:
+        return (torch.ones(2, 3) @ weight).dtype
+
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            inside = apply([matmul] * 2, CPU3[:2])
+        outside = apply([matmul] * 2, CPU3[:2])
+    finally:
+        apply.close()
+    assert inside == [torch.bfloat16, torch.bfloat16]
+    assert outside == [torch.float32, torch.float32]
+
+
 def test_context_is_entered_per_replica() -> None:
     apply = ParallelApply(2)
     try:

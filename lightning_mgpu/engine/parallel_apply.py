@@ -116,23 +116,34 @@ class _Worker:
 
 
 class _CallerState:
-    """Thread-local torch state of the calling thread, to re-enter in each replica thread."""
+    """Thread-local torch state of the calling thread, to re-enter in each replica thread.
 
-    def __init__(self, grad: bool, inference: bool, streams: list[Any]) -> None:
+    Autocast is thread-local too: a caller's ``with torch.autocast(...)`` around the data-parallel call reaches the
+    replicas, as torch's own ``parallel_apply`` carries it over.
+    """
+
+    def __init__(
+        self, grad: bool, inference: bool, streams: list[Any], autocast: list[tuple[str, torch.dtype]]
+    ) -> None:
         self.grad = grad
         self.inference = inference
         self.streams = streams
+        self.autocast = autocast
 
     @classmethod
     def capture(cls, devices: Sequence[torch.device]) -> _CallerState:
         streams = [torch.cuda.current_stream(device) if device.type == "cuda" else None for device in devices]
-        return cls(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), streams)
+        kinds = {"cpu", *(device.type for device in devices)}
+        autocast = [(kind, torch.get_autocast_dtype(kind)) for kind in sorted(kinds) if torch.is_autocast_enabled(kind)]
+        return cls(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), streams, autocast)
 
     @contextlib.contextmanager
     def enter(self, index: int, device: torch.device) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.inference_mode(self.inference))
             stack.enter_context(torch.set_grad_enabled(self.grad))
+            for kind, dtype in self.autocast:
+                stack.enter_context(torch.autocast(kind, dtype=dtype))
             if device.type == "cuda":
                 stack.enter_context(torch.cuda.device(device))
                 stack.enter_context(torch.cuda.stream(self.streams[index]))
