@@ -11,7 +11,8 @@ import lightning as L
 import pytest
 import torch
 from models import Portable, Regressor, assert_same_parameters, loader, parameters, regression_data, trainer
-from test_ddp import SCRIPT, _clean_env, _free_port, _report, _single_device_parameters
+from processes import clean_env, free_port
+from test_ddp import SCRIPT, _report, _single_device_parameters
 from torch import nn
 
 import lightning_mgpu
@@ -41,7 +42,7 @@ def test_same_parameters_under_ddp_in_two_processes(tmp_path: Path, strategy: st
         "--val-rows", "5",
     ]  # fmt: skip
     result = subprocess.run(
-        command, env=_clean_env(MASTER_PORT=str(_free_port())), capture_output=True, text=True, timeout=180
+        command, env=clean_env(MASTER_PORT=str(free_port())), capture_output=True, text=True, timeout=180
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert_same_parameters(torch.load(tmp_path / "params.pt"), _single_device_parameters())
@@ -138,7 +139,7 @@ def test_unwrap_finds_the_module_inside_every_wrapper() -> None:
     assert unwrap(ours) is inner
     assert unwrap(torch.compile(ours)) is inner
     assert unwrap(nn.DataParallel(torch.compile(inner))) is inner
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         assert unwrap(nn.parallel.DistributedDataParallel(inner)) is inner
     finally:

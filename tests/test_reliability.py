@@ -13,7 +13,7 @@ import pytest
 import torch
 import torchmetrics
 from models import loader, regression_data, trainer
-from test_ddp import _clean_env, _free_port
+from processes import clean_env, free_port
 from torch import nn
 
 from lightning_mgpu import MGPUMixin
@@ -25,7 +25,7 @@ SOAK = Path(__file__).parent / "scripts" / "soak.py"
 @pytest.mark.parametrize(("strategy", "steps"), [("mgpu_dp", 2000), ("mgpu_ddp", 500)])
 def test_long_runs_keep_memory_threads_and_files_flat(strategy: str, steps: int) -> None:
     command = [sys.executable, str(SOAK), "--strategy", strategy, "--steps", str(steps)]
-    env = _clean_env(MASTER_PORT=str(_free_port()))
+    env = clean_env(MASTER_PORT=str(free_port()))
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_ddp import _clean_env, _free_port
+from processes import clean_env, free_port
 
 SCRIPT = Path(__file__).parent / "scripts" / "resume_train.py"
 
@@ -23,14 +23,14 @@ def _command(out: Path, strategy: str, every: int, *extra: str) -> list[str]:
 
 
 def _straight(out: Path, strategy: str, every: int) -> None:
-    env = _clean_env(MASTER_PORT=str(_free_port()))
+    env = clean_env(MASTER_PORT=str(free_port()))
     result = subprocess.run(_command(out, strategy, every), env=env, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
 def _kill_after(out: Path, strategy: str, every: int, checkpoint: str) -> Path:
     """Start the run, wait for ``checkpoint`` to be written, then SIGKILL every process of the run."""
-    env = _clean_env(MASTER_PORT=str(_free_port()))
+    env = clean_env(MASTER_PORT=str(free_port()))
     process = subprocess.Popen(
         _command(out, strategy, every, "--sleep", "0.25"), env=env, start_new_session=True,
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -49,7 +49,7 @@ def _kill_after(out: Path, strategy: str, every: int, checkpoint: str) -> Path:
 
 
 def _resume(out: Path, strategy: str, every: int, checkpoint: Path) -> None:
-    env = _clean_env(MASTER_PORT=str(_free_port()))
+    env = clean_env(MASTER_PORT=str(free_port()))
     command = _command(out, strategy, every, "--ckpt-in", str(checkpoint))
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
