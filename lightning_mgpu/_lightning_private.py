@@ -1,4 +1,4 @@
-"""The one place that calls private Lightning API, each use explained and covered by tests/test_lightning_private.py."""
+"""The one place that calls private Lightning (and torchmetrics) API, each use explained and covered by tests."""
 
 from __future__ import annotations
 
@@ -79,3 +79,42 @@ def restore_training_results(trainer: Any, entries: list[dict[str, Any]]) -> Non
             batch_size=batch_size,
             **entry["options"],
         )
+
+
+def metric_states(module: Any) -> dict[str, dict[str, Any]]:
+    """The accumulated state of every torchmetrics ``Metric`` inside ``module``, by module path.
+
+    A metric's states are not in the checkpoint (torchmetrics registers them as non-persistent), so a run resumed
+    mid-epoch would compute its epoch value over the resumed batches only. ``metric_state`` is public; the number of
+    updates, which some metrics read in ``compute``, is the private ``_update_count``.
+    """
+    from torchmetrics import Metric
+
+    states = {}
+    for name, metric in module.named_modules():
+        if isinstance(metric, Metric):
+            state = {key: _detached(value) for key, value in metric.metric_state.items()}
+            states[name] = {"state": state, "updates": int(metric._update_count)}
+    return states
+
+
+def restore_metric_states(module: Any, states: dict[str, dict[str, Any]]) -> None:
+    """Put back what ``metric_states`` returned, on the metrics' own devices."""
+    from torchmetrics import Metric
+
+    metrics = {name: metric for name, metric in module.named_modules() if isinstance(metric, Metric)}
+    for name, saved in states.items():
+        metric = metrics.get(name)
+        if metric is None:
+            continue
+        device = metric.device
+        for key, value in saved["state"].items():
+            setattr(metric, key, [item.to(device) for item in value] if isinstance(value, list) else value.to(device))
+        metric._update_count = saved["updates"]
+        metric._computed = None
+
+
+def _detached(value: Any) -> Any:
+    if isinstance(value, list):
+        return [item.detach().cpu().clone() for item in value]
+    return value.detach().cpu().clone()

@@ -44,3 +44,24 @@ def test_like_copies_the_shard_settings() -> None:
     assert (unpadded.num_replicas, unpadded.rank, unpadded.shuffle, unpadded.seed) == (3, 2, True, 11)
     assert is_padding_sampler(padded)
     assert not is_padding_sampler(unpadded)
+
+
+def test_metric_states_round_trip_with_their_update_count() -> None:
+    import torchmetrics
+
+    from lightning_mgpu._lightning_private import metric_states, restore_metric_states
+
+    holder = torch.nn.Module()
+    holder.mean = torchmetrics.MeanMetric()
+    holder.cat = torchmetrics.CatMetric()
+    for value in (1.0, 2.0, 6.0):
+        holder.mean.update(value)
+        holder.cat.update(torch.tensor([value]))
+    saved = metric_states(holder)
+    fresh = torch.nn.Module()
+    fresh.mean = torchmetrics.MeanMetric()
+    fresh.cat = torchmetrics.CatMetric()
+    restore_metric_states(fresh, saved)
+    assert fresh.mean.update_count == 3
+    assert fresh.mean.compute().item() == 3.0
+    assert fresh.cat.compute().tolist() == [1.0, 2.0, 6.0]

@@ -11,8 +11,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
+import torchmetrics
+from lightning.pytorch.callbacks import ModelCheckpoint
+from models import StepEndRegressor, loader, regression_data, trainer
 from processes import clean_env, free_port
 
 SCRIPT = Path(__file__).parent / "scripts" / "resume_train.py"
@@ -82,3 +86,33 @@ def test_sigkill_and_resume_matches_a_straight_run(tmp_path: Path, strategy: str
     for step, loss in resumed_losses.items():
         assert loss == pytest.approx(straight_report["losses"][step], abs=1e-6), f"loss at step {step}"
     assert resumed_report["metrics"]["loss_epoch"] == pytest.approx(straight_report["metrics"]["loss_epoch"], abs=1e-6)
+
+
+class _MetricLogged(StepEndRegressor):
+    """Logs a torchmetrics object at epoch level from training_step_end, as 1.x DP code did."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.error_mean = torchmetrics.MeanMetric()
+        self.largest = torchmetrics.MaxMetric()
+
+    def training_step_end(self, step_output: dict[str, torch.Tensor]) -> torch.Tensor:
+        self.error_mean(step_output["errors"])
+        self.largest(step_output["errors"])
+        self.log("error_mean", self.error_mean, on_step=False, on_epoch=True)
+        self.log("largest", self.largest, on_step=False, on_epoch=True)
+        return step_output["errors"].mean()
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_torchmetrics_epoch_values_continue_after_a_mid_epoch_resume(tmp_path: Path, devices: int) -> None:
+    def fit(ckpt_path: str | None = None, **overrides: Any) -> L.Trainer:
+        run = trainer(tmp_path, max_epochs=1, devices=devices, strategy="mgpu_dp", **overrides)
+        run.fit(_MetricLogged(), loader(regression_data(), 4), ckpt_path=ckpt_path)
+        return run
+
+    every_third = ModelCheckpoint(dirpath=tmp_path / "checkpoints", every_n_train_steps=3, save_top_k=-1)
+    straight = fit(callbacks=[every_third], enable_checkpointing=True)
+    resumed = fit(str(tmp_path / "checkpoints" / "epoch=0-step=3.ckpt"))
+    for name in ("error_mean", "largest"):
+        torch.testing.assert_close(resumed.callback_metrics[name], straight.callback_metrics[name], atol=1e-6, rtol=0)

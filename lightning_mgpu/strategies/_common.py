@@ -9,7 +9,13 @@ import torch
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch.utils.data import DataLoader, Sampler
 
-from lightning_mgpu._lightning_private import restore_training_results, training_results_state, with_sampler
+from lightning_mgpu._lightning_private import (
+    metric_states,
+    restore_metric_states,
+    restore_training_results,
+    training_results_state,
+    with_sampler,
+)
 from lightning_mgpu.checks import check_devices_exist
 from lightning_mgpu.hooks import claim_step_end, release_step_end
 from lightning_mgpu.model_checks import check_model, report
@@ -82,15 +88,18 @@ class MGPUStrategyMixin:
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Add what exact resume needs, per rank: the epoch's sample order and progress, RNG states, epoch metrics.
 
-        Lightning calls this on every rank, so the ranks can pool their states here; rank 0 writes them.
+        The epoch metrics are the logged values and the accumulated state of torchmetrics objects. Lightning calls
+        this on every rank, so the ranks can pool their states here; rank 0 writes them.
         """
         skip_batches = self._batches_done_mid_epoch()
         trainer = self._trainer()
+        mid_epoch = trainer if skip_batches and trainer is not None else None
         state = {
             "sampler_seed": self._resumable.epoch_seed if self._resumable is not None else None,
             "skip_batches": skip_batches,
             "rng": rng_states(),
-            "results": training_results_state(trainer) if skip_batches and trainer is not None else [],
+            "results": training_results_state(mid_epoch) if mid_epoch else [],
+            "metrics": metric_states(mid_epoch.lightning_module) if mid_epoch else {},
         }
         checkpoint[STATE_KEY] = {"ranks": _gather_objects(state)}
         super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
@@ -117,6 +126,7 @@ class MGPUStrategyMixin:
         if state is not None and trainer is not None:
             set_rng_states(state["rng"])
             restore_training_results(trainer, state["results"])
+            restore_metric_states(trainer.lightning_module, state.get("metrics", {}))
 
     def _batches_done_mid_epoch(self) -> int:
         trainer = self._trainer()
