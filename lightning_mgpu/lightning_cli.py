@@ -1,6 +1,7 @@
 """``lightning-mgpu fit|validate|test|predict``: LightningCLI with the strategies registered and a run folder.
 
-On top of LightningCLI: the ``mgpu_*`` names are registered before any Trainer exists; a strategy given on the
+On top of LightningCLI: the ``mgpu_*`` names are registered before any Trainer exists; a strategy name that nothing
+is registered under ends the command with one line naming the closest registered names; a strategy given on the
 command line as a class path (``--trainer.strategy lightning_mgpu.DDPStrategy``) is instantiated, where plain
 LightningCLI passes the string on and the Trainer rejects it (Lightning issue #19682); each run writes CSV logs
 (and TensorBoard logs when tensorboard is installed), checkpoints and its config under one folder
@@ -20,11 +21,18 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
-from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
 import lightning_mgpu  # noqa: F401 - registers mgpu_dp and mgpu_ddp before the Trainer is built
+from lightning_mgpu.doctor.command import EXIT_USAGE, PROG
+from lightning_mgpu.errors import ConfigurationError
+from lightning_mgpu.registry import close_names
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
+
+
+class StrategyNameError(ConfigurationError):
+    """``trainer.strategy`` is a name no strategy is registered under; the command ends with the message alone."""
 
 
 class MGPULightningCLI(LightningCLI):
@@ -41,6 +49,8 @@ class MGPULightningCLI(LightningCLI):
         strategy = trainer_config.get("strategy")
         if isinstance(strategy, str) and "." in strategy:
             kwargs["strategy"] = _strategy_from_class_path(strategy)
+        elif isinstance(strategy, str):
+            _check_strategy_name(strategy)
         if trainer_config.get("logger") in (None, True):
             kwargs["logger"] = _run_loggers(trainer_config.get("default_root_dir") or os.getcwd())
         return super().instantiate_trainer(**kwargs)
@@ -88,14 +98,21 @@ def summary(trainer: pl.Trainer, subcommand: str, seconds: float, log_dir: str |
     return "\n".join(lines)
 
 
-def run(subcommand: str, args: list[str]) -> int:
-    """Run one LightningCLI subcommand; the current directory is importable, as with ``python -m``."""
+def run(subcommand: str, args: list[str], prog: str = PROG) -> int:
+    """Run one LightningCLI subcommand; the current directory is importable, as with ``python -m``.
+
+    Returns 0, or ``EXIT_USAGE`` after one line on stderr when the strategy name is unknown.
+    """
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # so config class paths like examples.density.DensityModel resolve
     with warnings.catch_warnings():
         # LightningCLI warns when ``args`` is given while sys.argv holds arguments: here they are the same ones.
         warnings.filterwarnings("ignore", message=".*args.* parameter is intended to run from within Python.*")
-        MGPULightningCLI(args=[subcommand, *args])
+        try:
+            MGPULightningCLI(args=[subcommand, *args])
+        except StrategyNameError as error:
+            print(f"{prog} {subcommand}: {error}", file=sys.stderr)
+            return EXIT_USAGE
     return 0
 
 
@@ -110,7 +127,20 @@ def run_with_classes(model: str, data: str, args: Sequence[str], default_args: S
         asked_for_help = args[0] in ("-h", "--help")
         print(f"usage: {prog} [{'|'.join(SUBCOMMANDS)}] [options]", file=sys.stdout if asked_for_help else sys.stderr)
         return 0 if asked_for_help else 2
-    return run(args[0], ["--model", model, "--data", data, *args[1:]])
+    return run(args[0], ["--model", model, "--data", data, *args[1:]], prog)
+
+
+def _check_strategy_name(name: str) -> None:
+    """Raise ``StrategyNameError`` for a name the Trainer would reject (it accepts any letter case)."""
+    if name.lower() == "auto" or name.lower() in StrategyRegistry:
+        return
+    matches = close_names(name)
+    hint = f"Did you mean {' or '.join(repr(match) for match in matches)}? " if matches else ""
+    raise StrategyNameError(
+        f"trainer.strategy {name!r} is not a registered strategy name. {hint}lightning_mgpu registers mgpu_dp,"
+        " mgpu_ddp and dp (Lightning 1.x's name for mgpu_dp); Lightning's own include ddp, ddp_spawn, fsdp and"
+        " deepspeed. A class path such as lightning_mgpu.DataParallelStrategy works too."
+    )
 
 
 def _strategy_from_class_path(class_path: str) -> Strategy:

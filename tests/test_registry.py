@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import subprocess
 import sys
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -12,6 +13,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_mgpu
 from lightning_mgpu import DataParallelStrategy
+from lightning_mgpu.cli import main
 
 
 def test_import_registers_mgpu_dp() -> None:
@@ -47,3 +49,93 @@ def test_trainer_accepts_the_name_and_an_instance(strategy: object) -> None:
     assert trainer.strategy.root_device.type == "cpu"
     assert trainer.strategy.num_replicas == 2
     assert not trainer.strategy.is_distributed
+
+
+# --- Lightning 1.x's name, and names that are nearly right ------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "configs" / "quickstart.yaml"
+
+
+def test_import_registers_lightning_1x_name_dp() -> None:
+    entry = StrategyRegistry["dp"]
+    assert entry["strategy"] is DataParallelStrategy
+    assert entry["description"] == "DataParallelStrategy (mgpu_dp) under Lightning 1.x's name"
+    lightning_mgpu.registry.register_all()
+    assert StrategyRegistry.available_strategies().count("dp") == 1
+    assert StrategyRegistry["mgpu_dp"]["description"] == "DataParallelStrategy"
+
+
+@pytest.mark.parametrize("name", ["dp", "DP", "mgpu_DP"])
+def test_trainer_takes_dp_and_any_letter_case(name: str) -> None:
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=name, logger=False)
+    assert type(trainer.strategy) is DataParallelStrategy
+    assert trainer.strategy.strategy_name == "mgpu_dp"
+
+
+def test_dp_owned_by_someone_else_is_left_alone() -> None:
+    class TheirDataParallel:
+        pass
+
+    registry = type(StrategyRegistry)()
+    registry.register("dp", TheirDataParallel, description="theirs")
+    DataParallelStrategy.register_strategies(registry)
+    assert registry["dp"]["strategy"] is TheirDataParallel
+    assert registry["mgpu_dp"]["strategy"] is DataParallelStrategy
+
+
+def test_1x_code_runs_with_one_added_import_in_a_fresh_interpreter() -> None:
+    code = (
+        "import lightning as L, lightning_mgpu;"
+        "t = L.Trainer(accelerator='cpu', devices=2, strategy='dp', logger=False);"
+        "print(type(t.strategy).__name__, t.num_devices)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.split()[-2:] == ["DataParallelStrategy", "2"]
+
+
+@pytest.mark.parametrize(
+    ("name", "meant"),
+    [("mgpu-dp", ["mgpu_dp"]), ("MGPUDP", ["mgpu_dp"]), ("mgpu dp", ["mgpu_dp"]), ("mgpu-ddp", ["mgpu_ddp"])],
+)
+def test_close_names_forgive_case_dashes_and_dropped_underscores(name: str, meant: list[str]) -> None:
+    assert lightning_mgpu.registry.close_names(name) == meant
+
+
+def test_close_names_suggest_the_nearest_otherwise() -> None:
+    assert lightning_mgpu.registry.close_names("fdsp")[0] == "fsdp"
+    assert lightning_mgpu.registry.close_names("nothing like it") == []
+
+
+@pytest.fixture
+def _cli_argv(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["lightning-mgpu"])  # pytest's own arguments are not the CLI's
+    monkeypatch.chdir(ROOT)  # where the quickstart's examples.density resolves
+
+
+@pytest.mark.usefixtures("_cli_argv")
+@pytest.mark.parametrize(("name", "meant"), [("mgpu-dp", "mgpu_dp"), ("mgpudp", "mgpu_dp"), ("mgpu-ddp", "mgpu_ddp")])
+def test_cli_names_the_strategy_meant_in_one_line(name: str, meant: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["fit", "--config", str(QUICKSTART), "--trainer.strategy", name])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith(f"lightning-mgpu fit: trainer.strategy '{name}' is not a registered strategy name.")
+    assert f"Did you mean '{meant}'?" in err
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.usefixtures("_cli_argv")
+def test_cli_without_a_close_name_lists_what_there_is(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["fit", "--config", str(QUICKSTART), "--trainer.strategy", "nothing like it"]) == 2
+    err = capsys.readouterr().err
+    assert "Did you mean" not in err
+    assert "lightning_mgpu registers mgpu_dp, mgpu_ddp and dp (Lightning 1.x's name for mgpu_dp)" in err
+
+
+@pytest.mark.usefixtures("_cli_argv")
+@pytest.mark.parametrize("name", ["dp", "mgpu_DP"])
+def test_cli_runs_dp_and_any_letter_case(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["fit", "--config", str(QUICKSTART), "--trainer.strategy", name, "--trainer.fast_dev_run", "1"]
+    assert main([*args, "--trainer.default_root_dir", str(tmp_path)]) == 0
+    assert "lightning-mgpu fit: done" in capsys.readouterr().out

@@ -3,6 +3,9 @@
 Lightning's result collection is not thread-safe and knows nothing of replicas, so replicas never touch it: each
 replica's ``log`` only records, and after the step the values of each name are combined (mean weighted by the rows
 each replica saw, or the ``reduce_fx`` the user chose) and handed to the real ``LightningModule.log``.
+
+``reduce_fx`` takes exactly what ``LightningModule.log`` takes, and means the same across replicas as Lightning
+makes it mean across steps and processes.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torchmetrics import Metric
 
 from lightning_mgpu.engine.reduce import weighted_mean
@@ -43,7 +47,41 @@ class ReplicaLog:
                 f"self.log({name!r}, ...) got a tensor of shape {tuple(value.shape)} in replica {self.index}; log a"
                 " scalar (reduce it in the step), or log per-sample values from the *_step_end hook."
             )
+        reduction(name, kwargs.get("reduce_fx", "mean"), self.index)
         self.records.append((name, value, kwargs))
+
+
+# What ``LightningModule.log`` accepts as ``reduce_fx``, besides these names in any letter case: the functions
+# themselves. Anything else Lightning rejects with a MisconfigurationException, and so do replicas.
+_REDUCE_FUNCTIONS: tuple[tuple[Any, str], ...] = (
+    (torch.mean, "mean"),
+    (torch.sum, "sum"),
+    (sum, "sum"),
+    (torch.max, "max"),
+    (max, "max"),
+    (torch.min, "min"),
+    (min, "min"),
+)
+_REDUCE_NAMES = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min"}
+
+
+def reduction(name: str, reduce_fx: Any, index: int) -> str:
+    """The reduction ``reduce_fx`` stands for, ``"mean"``, ``"sum"``, ``"max"`` or ``"min"``, as Lightning reads it.
+
+    Raises:
+        MisconfigurationException: for a ``reduce_fx`` that ``LightningModule.log`` rejects, as it would.
+    """
+    if isinstance(reduce_fx, str) and reduce_fx.lower() in _REDUCE_NAMES:
+        return _REDUCE_NAMES[reduce_fx.lower()]
+    for function, meaning in _REDUCE_FUNCTIONS:
+        if reduce_fx is function:
+            return meaning
+    raise MisconfigurationException(
+        f"self.log({name!r}, ..., reduce_fx={reduce_fx!r}) was called inside replica {index}. Lightning's self.log"
+        " accepts reduce_fx 'mean' (or 'avg'), 'sum', 'max' or 'min', in any letter case, or torch.mean,"
+        " torch.sum, torch.max, torch.min, sum, max or min. For another reduction, update a torchmetrics Metric"
+        " with the gathered outputs in the *_step_end hook and log the Metric there."
+    )
 
 
 def replay(logs: Sequence[ReplicaLog], module: pl.LightningModule, device: torch.device) -> None:
@@ -58,7 +96,8 @@ def replay(logs: Sequence[ReplicaLog], module: pl.LightningModule, device: torch
         if kwargs.get("batch_size") is not None:
             kwargs["batch_size"] = int(sum(weights))
         values = torch.stack([_as_tensor(value, device) for _, value, _ in entries])
-        module.log(name, _combine(values, weights, kwargs.get("reduce_fx", "mean")), **kwargs)
+        combine = reduction(name, kwargs.get("reduce_fx", "mean"), entries[0][0].index)
+        module.log(name, _combine(values, weights, combine), **kwargs)
 
 
 def _as_tensor(value: Any, device: torch.device) -> torch.Tensor:
@@ -76,13 +115,12 @@ def _weights(entries: list[tuple[ReplicaLog, Any, dict[str, Any]]]) -> list[floa
     return [float(log.rows) for log, _, _ in entries]
 
 
-def _combine(values: torch.Tensor, weights: Sequence[float], reduce_fx: Any) -> torch.Tensor:
-    if reduce_fx in ("sum", torch.sum):
+def _combine(values: torch.Tensor, weights: Sequence[float], combine: str) -> torch.Tensor:
+    """One value from the replicas' values; a mean is weighted as Lightning weights steps, by batch size."""
+    if combine == "sum":
         return values.sum()
-    if reduce_fx in ("max", torch.max):
+    if combine == "max":
         return values.max()
-    if reduce_fx in ("min", torch.min):
+    if combine == "min":
         return values.min()
-    if callable(reduce_fx) and reduce_fx is not torch.mean:
-        return reduce_fx(values)
     return weighted_mean(values, weights)

@@ -12,17 +12,29 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from typing_extensions import override
 
 from lightning_mgpu.engine import DataParallel
 from lightning_mgpu.errors import ConfigurationError
+from lightning_mgpu.hooks import call_step_end
 from lightning_mgpu.strategies._common import MGPUStrategyMixin
 from lightning_mgpu.strategies._health import StepHealth, stop_iteration_is_an_error
 from lightning_mgpu.strategies._replica_step import run_replica_step
 
+LIGHTNING_1X_NAME = "dp"
+"""Lightning 1.x's name for its DataParallel strategy, registered as another name of ``mgpu_dp``."""
+
 _REPLICA_ATTRIBUTES = ("replica_index", "num_replicas")
 _ABSENT = object()
+_REDUCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "mean": lambda tensor: tensor.float().mean().to(tensor.dtype),  # as 1.x: in float, back to the tensor's dtype
+    "avg": lambda tensor: tensor.float().mean().to(tensor.dtype),
+    "sum": torch.sum,
+    "max": torch.amax,
+    "min": torch.amin,
+}
 
 
 class DataParallelStrategy(MGPUStrategyMixin, ParallelStrategy):
@@ -36,7 +48,10 @@ class DataParallelStrategy(MGPUStrategyMixin, ParallelStrategy):
     replicas' losses are averaged weighted by their chunk sizes, which equals the single-device loss.
 
     On CPU, or where a device repeats, replicas alias the original parameters, so
-    ``Trainer(accelerator="cpu", devices=2, strategy="mgpu_dp")`` runs two real replicas in two threads.
+    ``Trainer(accelerator="cpu", devices=2, strategy="mgpu_dp")`` runs two real replicas in two threads. With one
+    device there is nothing to split: the module itself runs each step, as on Lightning's single device, and then
+    its ``*_step_end`` hook. ``import lightning_mgpu`` also registers 1.x's name, so ``strategy="dp"`` selects this
+    strategy.
 
     Args:
         accelerator: the accelerator; Lightning sets it from ``Trainer(accelerator=...)`` when left ``None``.
@@ -71,6 +86,23 @@ class DataParallelStrategy(MGPUStrategyMixin, ParallelStrategy):
         self._health = StepHealth(self.strategy_name)
         self._replaced_attributes: dict[str, Any] = {}
         self.sync_batchnorm = sync_batchnorm
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``mgpu_dp``, and ``dp`` for code written for Lightning 1.x, unless something else owns ``dp``.
+
+        Lightning 2.x has no ``dp``; should a later release (or another plugin) register one, it is left alone.
+        """
+        super().register_strategies(strategy_registry)
+        owner = strategy_registry[LIGHTNING_1X_NAME]["strategy"] if LIGHTNING_1X_NAME in strategy_registry else None
+        if owner is None or getattr(owner, "__module__", "").startswith("lightning_mgpu."):
+            strategy_registry.register(
+                LIGHTNING_1X_NAME,
+                cls,
+                description=f"{cls.__name__} ({cls.strategy_name}) under Lightning 1.x's name",
+                override=True,
+            )
 
     @property
     def num_nodes(self) -> int:
@@ -145,9 +177,10 @@ class DataParallelStrategy(MGPUStrategyMixin, ParallelStrategy):
         self.model.to(self.root_device)
 
     @override
-    def _setup_model(self, model: nn.Module) -> DataParallel:
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        """Wrap the module for splitting across two or more devices; with one device it runs itself."""
         assert self.parallel_devices is not None
-        if isinstance(model, DataParallel):
+        if isinstance(model, DataParallel) or len(self.parallel_devices) == 1:
             return model
         return DataParallel(model, self.parallel_devices, sync_batchnorm=self.sync_batchnorm)
 
@@ -169,8 +202,30 @@ class DataParallelStrategy(MGPUStrategyMixin, ParallelStrategy):
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
-        """One process holds every value already, so there is nothing to reduce across processes."""
-        return tensor
+        """Reduce each tensor in ``tensor`` (a tensor or a collection) to one value, as Lightning 1.x's ``dp`` did.
+
+        One process holds every value already, so the reduction is over a tensor's own elements: the per-replica
+        values that ``*_step_end`` receives (``self.trainer.strategy.reduce(outputs["loss"])``) become their mean,
+        like the 1.x code that calls it expects. A mean is taken in float and cast back to the tensor's dtype, as in
+        1.x. ``reduce_op`` ``"sum"``, ``"max"`` or ``"min"`` (any case, or ``torch.distributed.ReduceOp``) reduce by
+        that instead; 1.x ignored it and always averaged. 0-dim tensors and everything that is not a tensor come
+        back unchanged, which is what Lightning needs when it reduces one process's values.
+
+        Raises:
+            ValueError: for a ``reduce_op`` other than mean (``"avg"``), sum, max and min.
+        """
+        op = "mean" if reduce_op is None else str(getattr(reduce_op, "name", reduce_op)).lower()
+        if op not in _REDUCTIONS:
+            raise ValueError(
+                f"strategy.reduce(..., reduce_op={reduce_op!r}) under mgpu_dp: use 'mean' (the default), 'sum', 'max'"
+                " or 'min'."
+            )
+        reduction = _REDUCTIONS[op]
+
+        def reduce_tensor(value: torch.Tensor) -> torch.Tensor:
+            return value if value.dim() == 0 else reduction(value)
+
+        return apply_to_collection(tensor, torch.Tensor, reduce_tensor)
 
     @override
     def barrier(self, name: str | None = None) -> None:
@@ -209,7 +264,11 @@ class DataParallelStrategy(MGPUStrategyMixin, ParallelStrategy):
     ) -> Any:
         module = self.lightning_module
         wrapper = self.model
-        assert module is not None
+        if module is None or wrapper is None:
+            raise ConfigurationError(f"{step} was called before the mgpu_dp strategy was set up by a Trainer.")
+        if self.num_replicas == 1:  # nothing to split
+            with stop_iteration_is_an_error(step):
+                return self._module_step(module, step, precision_context, args, kwargs)
         if not isinstance(wrapper, DataParallel):
             raise ConfigurationError(f"{step} was called before the mgpu_dp strategy was set up by a Trainer.")
         if step == "training_step" and not self.sync_batchnorm and self._health.wants("batchnorm"):
@@ -220,3 +279,23 @@ class DataParallelStrategy(MGPUStrategyMixin, ParallelStrategy):
             )
         with stop_iteration_is_an_error(step):
             return run_replica_step(wrapper, module, step, args, kwargs, precision_context, self._health)
+
+    def _module_step(
+        self,
+        module: pl.LightningModule,
+        step: str,
+        precision_context: Callable[[], AbstractContextManager[Any]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """The step on one device: the module itself runs it, then its ``*_step_end`` hook, as a replica step does.
+
+        No replica means no copy: what the step assigns to ``self`` stays, any output reaches the hook as it is,
+        and ``self.log`` and ``self.manual_backward`` are Lightning's own.
+        """
+        with precision_context():
+            output = getattr(module, step)(*args, **kwargs)
+        result = call_step_end(module, step, output)
+        if step == "training_step":
+            self._health.check_loss(result, lambda: f"at step {module.global_step}")
+        return result
