@@ -1,6 +1,7 @@
 """lightning_mgpu: multi-GPU strategies for Lightning 2.x (``mgpu_dp``, ``mgpu_ddp``) with the ``*_step_end`` hooks."""
 
 from lightning_mgpu.engine import DataParallel
+from lightning_mgpu.engine.scatter import Fields, PerSample
 from lightning_mgpu.errors import BatchSplitError, ConfigurationError, GatherError, ModelCheckError
 from lightning_mgpu.launch import add_local_rank_argument, parse_local_rank
 from lightning_mgpu.mixin import MGPUMixin
@@ -21,10 +22,12 @@ __all__ = [
     "DataParallel",
     "DDPStrategy",
     "DataParallelStrategy",
+    "Fields",
     "Finding",
     "GatherError",
     "MGPUMixin",
     "ModelCheckError",
+    "PerSample",
     "__version__",
     "add_local_rank_argument",
     "check_model",

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import warnings
 from collections import namedtuple
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 import torch
 
-from lightning_mgpu import GatherError
+from lightning_mgpu import Fields, GatherError, PerSample
 from lightning_mgpu.engine import gather, weighted_mean
+from lightning_mgpu.engine.scatter import LayoutMemory
 
 CPU = torch.device("cpu")
 
@@ -73,12 +74,12 @@ def test_a_string_leaf_names_the_key_path_replica_and_fix() -> None:
         gather(outputs, CPU)
 
 
-def test_a_dataclass_leaf_is_refused() -> None:
+def test_a_dataclass_in_one_replica_and_a_tensor_in_another_is_refused() -> None:
     @dataclass
     class Result:
         value: torch.Tensor
 
-    with pytest.raises(GatherError, match=r"output in replica 1 is a dataclass Result"):
+    with pytest.raises(GatherError, match=r"output is a Tensor .* in replica 0 but a dataclass Result in replica 1"):
         gather([torch.ones(1), Result(torch.ones(1))], CPU)
 
 
@@ -102,3 +103,142 @@ def test_weighted_mean_equals_the_mean_over_all_rows() -> None:
     per_replica = torch.stack([rows[:3].mean(), rows[3:].mean()])
     torch.testing.assert_close(weighted_mean(per_replica, [3, 2]), rows.mean())
     assert weighted_mean(torch.tensor([1, 3]), [1, 1]).dtype == torch.get_default_dtype()
+
+
+def test_persample_outputs_are_concatenated_in_batch_order() -> None:
+    gathered = gather([PerSample(["a", torch.zeros(2)]), PerSample([None])], CPU)
+    assert type(gathered) is PerSample
+    assert gathered[0] == "a"
+    assert gathered[1].shape == (2,)
+    assert gathered[2] is None
+
+
+@pytest.mark.parametrize("sizes", [[3, 2], [2, 2], [1, 1]], ids=["uneven", "even", "one-row-each"])
+def test_a_list_of_names_with_one_per_row_is_concatenated(sizes: list[int]) -> None:
+    names = [f"sample-{index}" for index in range(sum(sizes))]
+    outputs = [names[: sizes[0]], names[sizes[0] :]]
+    assert gather(outputs, CPU, sizes) == names
+    assert gather([tuple(output) for output in outputs], CPU, sizes) == tuple(names)
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        [1, 2, 3, 4],
+        [None, None, None, None],
+        [{"name": "a"}, {"name": "b"}, {"name": "c"}, {"name": "d"}],
+        [torch.zeros(5, 4), torch.zeros(1, 4), torch.zeros(2, 4), torch.zeros(0, 4)],
+        [torch.zeros(2, 4), torch.zeros(1, 4), torch.zeros(3, 4), torch.zeros(2, 4)],
+        [["tok", "en"], ["x"], ["a", "b"], []],
+    ],
+    ids=["numbers", "none", "dicts-with-strings", "boxes", "boxes-some-with-chunk-rows", "token-lists"],
+)
+def test_a_list_with_one_item_per_row_that_cannot_merge_item_by_item_is_concatenated(rows: list) -> None:
+    gathered = gather([rows[:2], rows[2:]], CPU, [2, 2])
+    assert len(gathered) == 4
+    assert all(a is b for a, b in zip(gathered, rows, strict=True))
+
+
+def test_per_row_lists_nested_in_containers_are_concatenated() -> None:
+    outputs = [{"pred": torch.zeros(3), "names": ["a", "b", "c"]}, {"pred": torch.ones(2), "names": ["d", "e"]}]
+    gathered = gather(outputs, CPU, [3, 2])
+    assert gathered["names"] == ["a", "b", "c", "d", "e"]
+    assert gathered["pred"].tolist() == [0, 0, 0, 1, 1]
+
+
+def test_without_chunk_sizes_lists_are_gathered_item_by_item() -> None:
+    gathered = gather([[torch.zeros(2), torch.zeros(2)], [torch.ones(2), torch.ones(2)]], CPU)
+    assert [item.tolist() for item in gathered] == [[0, 0, 1, 1], [0, 0, 1, 1]]
+
+
+def test_a_list_that_merges_both_ways_names_its_path_and_both_fixes() -> None:
+    outputs = [{"pair": (torch.tensor(1.0), torch.tensor(2.0))}, {"pair": (torch.tensor(3.0), torch.tensor(4.0))}]
+    with pytest.raises(
+        GatherError,
+        match=r"output\['pair'\] is a tuple with one item per row of each replica's chunk \(\[2, 2\] items.*"
+        r"concatenate.*item by item.*no earlier step.*lightning_mgpu\.PerSample\(\.\.\.\).*lightning_mgpu\.Fields",
+    ):
+        gather(outputs, CPU, [2, 2])
+
+
+def test_memory_gathers_a_list_as_earlier_steps_did() -> None:
+    memory = LayoutMemory()
+    gather([[torch.tensor(1.0), torch.zeros(4)], [torch.tensor(2.0), torch.zeros(4)]], CPU, [4, 4], memory=memory)
+    loss, rows = gather(
+        [[torch.tensor(1.0), torch.zeros(2)], [torch.tensor(2.0), torch.ones(2)]], CPU, [2, 2], memory=memory
+    )
+    assert loss.tolist() == [1.0, 2.0]
+    assert rows.tolist() == [0, 0, 1, 1]
+
+
+def test_memory_refuses_a_list_that_was_per_row_and_now_is_not() -> None:
+    memory = LayoutMemory()
+    gather([["a", "b"], ["c", "d"]], CPU, [2, 2], memory=memory)
+    with pytest.raises(
+        GatherError,
+        match=r"output was concatenated as one item per row in an earlier step.*\[2, 2\]"
+        r" items for chunks of \[4, 4\] rows",
+    ):
+        gather([["a", "b"], ["c", "d"]], CPU, [4, 4], memory=memory)
+
+
+def test_a_list_that_merges_both_ways_from_a_lone_replica_is_gathered_item_by_item() -> None:
+    gathered = gather([[torch.zeros(2), torch.zeros(2)]], CPU, [2])
+    assert [item.shape for item in gathered] == [(2,), (2,)]
+
+
+def test_fields_and_lists_holding_markers_are_gathered_item_by_item() -> None:
+    pair = gather(
+        [Fields([torch.tensor(1.0), torch.zeros(2)]), Fields([torch.tensor(2.0), torch.ones(2)])], CPU, [2, 2]
+    )
+    assert type(pair) is Fields
+    assert pair[0].tolist() == [1.0, 2.0]
+    marked = gather([[PerSample(["a"]), torch.zeros(1)], [PerSample(["b"]), torch.ones(1)]], CPU, [2, 2])
+    assert marked[0] == ["a", "b"]
+    assert marked[1].tolist() == [0, 1]
+
+
+def test_lengths_that_fit_neither_reading_get_advice_for_both() -> None:
+    with pytest.raises(
+        GatherError,
+        match=r"output\['boxes'\] has \[3, 1\] items in the replicas\..*same number of items, or concatenated when"
+        r" every replica returns one item per row of its chunk \(chunks of \[2, 2\] rows\).*lightning_mgpu\.PerSample",
+    ):
+        gather([{"boxes": ["a", "b", "c"]}, {"boxes": ["d"]}], CPU, [2, 2])
+
+
+def test_lengths_that_differ_without_chunk_sizes_get_the_advice_that_applies() -> None:
+    with pytest.raises(GatherError, match=r"same number of items; return one of those, or wrap .*PerSample") as error:
+        gather([[torch.ones(1)] * 3, [torch.ones(1)]], CPU)
+    assert "one item per row" not in str(error.value)
+
+
+def test_a_dataclass_is_gathered_field_by_field_with_its_init_false_fields() -> None:
+    @dataclass
+    class Prediction:
+        scores: torch.Tensor
+        names: list[str]
+        total: torch.Tensor = field(init=False)
+
+        def __post_init__(self) -> None:
+            self.total = self.scores.sum(0, keepdim=True)
+
+    outputs = [Prediction(torch.ones(2), ["a", "b"]), Prediction(torch.zeros(1), ["c"])]
+    gathered = gather(outputs, CPU, [2, 1])
+    assert isinstance(gathered, Prediction)
+    assert gathered.scores.tolist() == [1, 1, 0]
+    assert gathered.names == ["a", "b", "c"]
+    assert gathered.total.tolist() == [2.0, 0.0]
+
+
+def test_dataclasses_of_different_types_are_refused() -> None:
+    @dataclass
+    class A:
+        x: torch.Tensor
+
+    @dataclass
+    class B:
+        x: torch.Tensor
+
+    with pytest.raises(GatherError, match=r"output is a dataclass A in replica 0 but a dataclass B in replica 1"):
+        gather([A(torch.ones(1)), B(torch.ones(1))], CPU)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections import OrderedDict, namedtuple
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 import torch
 
-from lightning_mgpu import BatchSplitError
+from lightning_mgpu import BatchSplitError, Fields, PerSample
 from lightning_mgpu.engine import chunk_sizes, scatter
+from lightning_mgpu.engine.scatter import LayoutMemory, batch_size_of
 
 CPU2 = [torch.device("cpu")] * 2
 
@@ -87,3 +88,214 @@ def test_an_empty_batch_is_refused() -> None:
 def test_a_0_dim_tensor_in_the_batch_is_refused() -> None:
     with pytest.raises(BatchSplitError, match=r"batch\[1\] is a 0-dim tensor"):
         scatter((torch.zeros(4), torch.tensor(1.0)), CPU2)
+
+
+def test_a_plain_list_of_per_sample_tensors_is_split_by_items() -> None:
+    boxes = [torch.full((count, 4), float(count)) for count in (1, 3, 2, 5)]
+    chunks, _ = scatter({"images": torch.arange(4), "boxes": boxes}, CPU2)
+    assert [[len(item) for item in chunk["boxes"]] for chunk in chunks] == [[1, 3], [2, 5]]
+    assert all(type(chunk["boxes"]) is list for chunk in chunks)
+    assert chunks[1]["boxes"][0] is boxes[2], "items are handed over whole, not copied"
+
+
+def test_a_per_sample_list_where_one_item_has_as_many_rows_as_the_batch_is_split_by_items() -> None:
+    boxes = [torch.zeros(4, 4), torch.zeros(2, 4), torch.zeros(4, 4), torch.zeros(4, 4)]
+    chunks, _ = scatter((torch.arange(4), tuple(boxes)), CPU2)
+    assert [len(chunk[1]) for chunk in chunks] == [2, 2]
+    assert isinstance(chunks[0][1], tuple)
+    assert chunks[0][1][1] is boxes[1]
+
+
+@pytest.mark.parametrize(
+    "items",
+    [
+        ["a", "b", "c"],
+        [b"a", b"b", b"c"],
+        [7, 8.5, True],
+        [None, None, None],
+        [{"name": "a"}, {"name": "b"}, {"name": "c"}],
+        [["tok"], ["tok", "en"], []],
+        [torch.tensor(1), torch.tensor(0), torch.tensor(1)],
+        [torch.zeros(5), torch.zeros(5), torch.zeros(5)],
+    ],
+    ids=["strings", "bytes", "numbers", "none", "dicts", "nested-lists", "0-dim-tensors", "other-row-count"],
+)
+def test_a_list_with_one_item_per_row_is_split_by_items(items: list) -> None:
+    chunks, _ = scatter({"x": torch.arange(3), "per_row": items}, CPU2)
+    assert [len(chunk["per_row"]) for chunk in chunks] == [2, 1]
+    assert chunks[1]["per_row"][0] is items[2]
+
+
+def test_persample_is_split_by_items_and_keeps_its_type() -> None:
+    images = PerSample(torch.zeros(3, 2, 2) for _ in range(3))
+    chunks, sizes = scatter({"x": torch.arange(3), "images": images}, CPU2)
+    assert sizes == [2, 1]
+    assert [type(chunk["images"]) for chunk in chunks] == [PerSample, PerSample]
+    assert chunks[1]["images"][0] is images[2]
+    assert repr(PerSample([1])) == "PerSample([1])"
+
+
+def test_a_batch_of_persample_lists_alone_has_their_length_as_its_rows() -> None:
+    images = PerSample(torch.zeros(3, 2 + index, 2) for index in range(2))
+    targets = PerSample({"boxes": torch.zeros(count, 4)} for count in (5, 1))
+    chunks, sizes = scatter((images, targets), CPU2)
+    assert sizes == [1, 1]
+    assert chunks[1][0][0].shape == (3, 3, 2)
+    assert chunks[1][1][0]["boxes"].shape == (1, 4)
+
+
+def test_tensors_inside_per_sample_items_move_to_the_replica_device() -> None:
+    boxes = [torch.zeros(count, 4) for count in (1, 3)]
+    chunks, _ = scatter(
+        {"x": torch.arange(2), "boxes": boxes, "meta": [{"b": box} for box in boxes]},
+        [torch.device("cpu"), torch.device("meta")],
+    )
+    assert chunks[0]["boxes"][0] is boxes[0]
+    assert chunks[1]["boxes"][0].device.type == "meta"
+    assert chunks[1]["meta"][0]["b"].device.type == "meta"
+    assert chunks[1]["x"].device.type == "meta"
+
+
+def test_a_list_that_reads_both_ways_names_its_path_and_both_fixes() -> None:
+    boxes = [torch.zeros(4, 4) for _ in range(4)]
+    with pytest.raises(
+        BatchSplitError,
+        match=r"batch\['boxes'\] is a list of 4 items, as many as the batch has rows, and its tensors have 4 rows"
+        r" too.*one item per sample.*fields of the batch.*no earlier batch.*lightning_mgpu\.PerSample\(\.\.\.\)"
+        r".*lightning_mgpu\.Fields\(\.\.\.\)",
+    ):
+        scatter({"images": torch.arange(4), "boxes": boxes}, CPU2)
+
+
+def test_a_two_row_pair_batch_reads_both_ways_without_an_earlier_batch() -> None:
+    with pytest.raises(BatchSplitError, match=r"^batch is a list of 2 items.*TensorDataset.*Fields"):
+        scatter([torch.zeros(2, 3), torch.zeros(2, 1)], CPU2)
+
+
+def test_a_list_that_reads_both_ways_is_not_an_error_when_one_replica_gets_everything() -> None:
+    batch = [torch.zeros(2, 3), torch.zeros(2, 1)]
+    chunks, sizes = scatter(batch, [torch.device("cpu")])
+    assert sizes == [2]
+    assert [item.shape for item in chunks[0]] == [(2, 3), (2, 1)]
+
+
+def test_memory_reads_a_small_last_batch_as_the_earlier_batches_were_read() -> None:
+    memory = LayoutMemory()
+    scatter([torch.zeros(8, 3), torch.zeros(8, 1)], CPU2, memory)
+    chunks, sizes = scatter([torch.zeros(2, 3), torch.zeros(2, 1)], CPU2, memory)
+    assert sizes == [1, 1]
+    assert [item.shape for item in chunks[1]] == [(1, 3), (1, 1)]
+    assert memory.recall("batch") is False
+
+
+def test_memory_keeps_a_per_sample_list_per_sample_when_every_item_has_as_many_rows_as_the_batch() -> None:
+    memory = LayoutMemory()
+    scatter({"x": torch.arange(4), "boxes": [torch.zeros(count, 4) for count in (1, 3, 2, 5)]}, CPU2, memory)
+    boxes = [torch.full((4, 4), float(index)) for index in range(4)]
+    chunks, _ = scatter({"x": torch.arange(4), "boxes": boxes}, CPU2, memory)
+    assert [[item[0, 0].item() for item in chunk["boxes"]] for chunk in chunks] == [[0.0, 1.0], [2.0, 3.0]]
+    assert all(item.shape == (4, 4) for chunk in chunks for item in chunk["boxes"])
+
+
+def test_memory_refuses_a_path_that_was_per_sample_and_now_is_not_one_item_per_row() -> None:
+    memory = LayoutMemory()
+    scatter({"x": torch.arange(2), "shape": [224, 224]}, CPU2, memory)
+    with pytest.raises(
+        BatchSplitError,
+        match=r"batch\['shape'\] has 2 items but the batch has 8 rows.*earlier batch.*one item per row.*Fields",
+    ):
+        scatter({"x": torch.arange(8), "shape": [224, 224]}, CPU2, memory)
+
+
+def test_fields_and_namedtuples_are_always_split_field_by_field() -> None:
+    pair = namedtuple("pair", ["x", "y"])
+    for batch in (Fields([torch.arange(2), torch.arange(2)]), pair(torch.arange(2), ["a", "b"])):
+        chunks, _ = scatter(batch, CPU2)
+        assert type(chunks[1]) is type(batch)
+        assert chunks[1][0].tolist() == [1]
+    x, y = scatter(Fields([torch.arange(2), torch.arange(2)]), CPU2)[0][0]
+    assert x.tolist() == y.tolist() == [0]
+
+
+def test_a_list_holding_a_marker_is_split_field_by_field() -> None:
+    batch = (PerSample(torch.zeros(3, 5, 5) for _ in range(2)), PerSample(["a", "b"]))
+    chunks, sizes = scatter(batch, CPU2)
+    assert sizes == [1, 1]
+    assert isinstance(chunks[0], tuple)
+    assert chunks[1][1] == ["b"]
+
+
+def test_rows_come_from_the_tensors_outside_lists_first() -> None:
+    batch = {"images": torch.arange(2), "boxes": [torch.zeros(3, 4), torch.zeros(3, 4)]}
+    assert batch_size_of(batch) == 2
+    assert batch_size_of([torch.zeros(5, 2), [torch.zeros(7)]]) == 5
+
+
+def test_tensors_of_the_nearest_level_that_disagree_are_refused_with_the_persample_fix() -> None:
+    images = tuple(torch.zeros(3, 8, 8) for _ in range(2))
+    targets = tuple({"boxes": torch.zeros(count, 4)} for count in (5, 1))
+    with pytest.raises(
+        BatchSplitError, match=r"batch\[0\]\[0\]: 3, .*batch\[1\]\[0\]\['boxes'\]: 5.*lightning_mgpu\.PerSample"
+    ):
+        scatter((images, targets), CPU2)
+
+
+def test_a_persample_with_the_wrong_length_is_refused() -> None:
+    with pytest.raises(BatchSplitError, match=r"batch\['x'\]: 3, batch\['names'\]: 2 items"):
+        scatter({"x": torch.arange(3), "names": PerSample(["a", "b"])}, CPU2)
+
+
+def test_a_deeper_tensor_with_the_wrong_rows_is_named_with_the_rows_it_disagrees_with() -> None:
+    with pytest.raises(BatchSplitError, match=r"batch\['x'\]: 4, batch\['pair'\]\[1\]: 3"):
+        scatter({"x": torch.arange(4), "pair": [torch.zeros(4), torch.zeros(3)]}, CPU2)
+
+
+def test_a_dataclass_with_init_false_fields_is_rebuilt_without_init() -> None:
+    calls: list[int] = []
+
+    @dataclass
+    class Batch:
+        x: torch.Tensor
+        names: list[str]
+        rows: int = field(init=False)
+        doubled: torch.Tensor = field(init=False)
+        never_set: torch.Tensor = field(init=False)
+
+        def __post_init__(self) -> None:
+            calls.append(1)
+            self.rows = len(self.x)
+            self.doubled = self.x * 2
+
+    batch = Batch(torch.arange(3.0), ["a", "b", "c"])
+    chunks, _ = scatter(batch, CPU2)
+    assert len(calls) == 1, "__init__ and __post_init__ are not run again for the chunks"
+    assert chunks[1].x.tolist() == [2.0]
+    assert chunks[1].doubled.tolist() == [4.0]
+    assert chunks[1].names == ["c"]
+    assert chunks[1].rows == 3, "a value of its own reaches every replica whole"
+    assert not hasattr(chunks[1], "never_set")
+
+
+def test_a_frozen_dataclass_is_split() -> None:
+    @dataclass(frozen=True)
+    class Frozen:
+        x: torch.Tensor
+        scale: float = field(init=False, default=2.0)
+
+    chunks, _ = scatter(Frozen(torch.arange(4)), CPU2)
+    assert chunks[1].x.tolist() == [2, 3]
+    assert chunks[1].scale == 2.0
+
+
+def test_a_slotted_frozen_dataclass_with_an_init_false_field_is_split() -> None:
+    @dataclass(slots=True, frozen=True)
+    class Slotted:
+        x: torch.Tensor
+        doubled: torch.Tensor = field(init=False)
+
+        def __post_init__(self) -> None:
+            object.__setattr__(self, "doubled", self.x * 2)
+
+    chunks, _ = scatter(Slotted(torch.arange(4.0)), CPU2)
+    assert chunks[1].x.tolist() == [2.0, 3.0]
+    assert chunks[1].doubled.tolist() == [4.0, 6.0]

@@ -13,7 +13,7 @@ from lightning_mgpu.engine.batchnorm import ReplicaRendezvous, batchnorm_paths, 
 from lightning_mgpu.engine.gather import gather
 from lightning_mgpu.engine.parallel_apply import ContextFactory, ParallelApply
 from lightning_mgpu.engine.replicate import ReplicaCache, keep_reassigned_buffers
-from lightning_mgpu.engine.scatter import scatter
+from lightning_mgpu.engine.scatter import LayoutMemory, scatter
 from lightning_mgpu.errors import ConfigurationError
 
 PHASES = ("scatter", "replicate", "parallel_apply", "gather")
@@ -65,6 +65,8 @@ class DataParallel(nn.Module):
         self.sync_batchnorm = sync_batchnorm
         self._batchnorms: tuple[object, list[tuple[int, str]]] = (None, [])
         self.phase_seconds: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        self._batch_layouts: dict[str, LayoutMemory] = {}
+        self._output_layouts: dict[str, LayoutMemory] = {}
 
     @property
     def root_device(self) -> torch.device:
@@ -75,10 +77,18 @@ class DataParallel(nn.Module):
         """Split the first input along dim 0, run ``module.forward`` per chunk, gather the outputs."""
         return self.gather(self.run("forward", inputs[0], inputs[1:], kwargs).outputs)
 
-    def gather(self, outputs: Sequence[Any]) -> Any:
-        """Gather one output per replica on the root device (see ``lightning_mgpu.engine.gather``)."""
+    def gather(self, outputs: Sequence[Any], sizes: Sequence[int] | None = None, method: str = "forward") -> Any:
+        """Gather one output per replica on the root device (see ``lightning_mgpu.engine.gather``).
+
+        Args:
+            outputs: one output per replica, in batch order, as ``run`` returned them.
+            sizes: the rows each replica received (``ReplicaOutputs.sizes``), so that lists with one item per row
+                are concatenated; without them only ``PerSample`` lists are.
+            method: the method that returned ``outputs``; each method's outputs keep their own memory of how their
+                lists were gathered in earlier steps.
+        """
         started = time.perf_counter()
-        gathered = gather(outputs, self.root_device)
+        gathered = gather(outputs, self.root_device, sizes, memory=_layouts(self._output_layouts, method))
         self.phase_seconds["gather"] += time.perf_counter() - started
         return gathered
 
@@ -103,10 +113,12 @@ class DataParallel(nn.Module):
             prepare_replica: called as ``prepare_replica(replica, index, num_replicas, device)`` before the call,
                 in the calling thread.
 
-        Buffers that replica 0 reassigned are stored on the module afterwards, as its in-place updates are.
+        Buffers that replica 0 reassigned are stored on the module afterwards, as its in-place updates are. A list
+        in the batch that could be read as one item per sample or as fields is read as it was in earlier batches of
+        the same method (see ``lightning_mgpu.engine.scatter``).
         """
         started = time.perf_counter()
-        chunks, sizes = scatter(batch, self.devices)
+        chunks, sizes = scatter(batch, self.devices, _layouts(self._batch_layouts, method))
         devices = self.devices[: len(chunks)]
         scattered = time.perf_counter()
         replicas = self._replicate(self.module, devices)
@@ -153,6 +165,13 @@ class DataParallel(nn.Module):
             if "module" not in modules:
                 raise
             return getattr(modules["module"], name)
+
+
+def _layouts(memories: dict[str, LayoutMemory], method: str) -> LayoutMemory:
+    memory = memories.get(method)
+    if memory is None:
+        memory = memories[method] = LayoutMemory()
+    return memory
 
 
 def _bind(

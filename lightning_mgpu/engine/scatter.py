@@ -1,14 +1,87 @@
-"""Split a batch along dim 0 into one chunk per replica."""
+"""Split a batch into one chunk per replica: tensors along dim 0, per-sample sequences by items.
+
+The contract, which ``gather`` inverts:
+
+* N, the batch's row count, is the common dim-0 size of the tensors nearest the top of the batch: those inside the
+  fewest plain lists and tuples. Mappings, dataclasses, namedtuples and ``Fields`` add no level; a ``PerSample``
+  counts with its length, and nothing inside it counts.
+* Tensors are split along dim 0 and must have N rows. Mappings, dataclasses (``init=False`` fields included),
+  namedtuples and ``Fields`` are containers, rebuilt with their type, every value read by these rules. Any other
+  value reaches every replica whole.
+* A ``PerSample`` is split by items. A plain list or tuple whose length is not N is a container. One of length N
+  is read as its key path was in an earlier batch of the run; the first time, it is a per-sample sequence (split
+  by items) when an item cannot be batch data with N rows (a tensor of other rows, a 0-dim tensor) or no item
+  holds a tensor (names, ids, None), and a container when an item holds a ``PerSample`` or ``Fields``. Otherwise
+  every tensor in it has N rows and it reads both ways: ``BatchSplitError`` asks for ``PerSample`` or ``Fields``,
+  unless a single replica takes the whole batch.
+"""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from lightning_mgpu.errors import BatchSplitError
+
+
+class PerSample(list[Any]):
+    """A list with one item per sample of the batch, split between replicas by items and never inside an item.
+
+    Return it from a ``collate_fn`` for per-sample data that does not stack into one tensor, such as one boxes
+    tensor per image: ``{"images": torch.stack(images), "boxes": PerSample(boxes)}``. Each replica receives a
+    ``PerSample`` of its own samples, in batch order, with its tensors on the replica's device. A plain list of N
+    items is recognised as per-sample without the marker unless every item carries N rows itself (N images with
+    exactly N boxes each), which the marker settles. A ``PerSample`` returned from a step is concatenated across
+    replicas in batch order, whatever its length.
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"PerSample({list.__repr__(self)})"
+
+
+class Fields(list[Any]):
+    """A list of batch fields, ``[inputs, targets]``, split field by field and never read as one item per sample.
+
+    A plain ``[x, y]`` batch of 2 rows could be 2 samples or 2 fields of 2 rows. ``mgpu_dp`` reuses the reading
+    of earlier batches of the run, so a small last batch is fine; when the first batch is that small, return
+    ``Fields(default_collate(samples))`` from the ``collate_fn`` (``x, y = batch`` keeps working), or a dict,
+    namedtuple or dataclass, which are always split field by field. Returned from a step, it is gathered item by
+    item.
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"Fields({list.__repr__(self)})"
+
+
+class LayoutMemory:
+    """Which reading each plain list or tuple of one run's batches (or step outputs) had, by key path.
+
+    A list of N items whose tensors all have N rows reads both as one item per sample and as fields. Batches of
+    one run share their structure and the first ones are normally full, so the reading a path had when its length
+    or items told it apart decides when they do not (the small last batch of an epoch). It also keeps one path from
+    being read two ways in one run: a path split by items before that is not one item per row now is an error.
+    """
+
+    __slots__ = ("_per_sample",)
+
+    def __init__(self) -> None:
+        self._per_sample: dict[str, bool] = {}
+
+    def recall(self, path: str) -> bool | None:
+        """``True`` when ``path`` held one item per sample before, ``False`` when fields, ``None`` when unseen."""
+        return self._per_sample.get(path)
+
+    def remember(self, path: str, per_sample: bool) -> None:
+        """Record the first reading of ``path``; callers recall before they decide, so it never changes."""
+        self._per_sample.setdefault(path, per_sample)
 
 
 def chunk_sizes(batch_size: int, num_devices: int) -> list[int]:
@@ -27,42 +100,316 @@ def chunk_sizes(batch_size: int, num_devices: int) -> list[int]:
 
 
 def batch_size_of(batch: Any) -> int:
-    """The common length along dim 0 of every tensor in ``batch``; raises if they disagree or there is none."""
-    sizes: dict[str, int] = {}
-    _collect_sizes(batch, "batch", sizes)
-    if not sizes:
-        raise BatchSplitError(
-            f"mgpu_dp splits the batch along dim 0, but the batch ({type(batch).__name__}) holds no tensor with a"
-            " batch dimension. Return tensors from your DataLoader (its default collate does), or use a"
-            " single-device strategy for this model."
-        )
-    distinct = set(sizes.values())
-    if len(distinct) > 1:
-        listing = ", ".join(f"{path}: {size}" for path, size in sizes.items())
-        raise BatchSplitError(
-            f"The tensors in the batch disagree on their size along dim 0 ({listing}), so the batch cannot be split"
-            " into matching chunks per replica. Make every tensor in the batch hold one row per sample, or move"
-            " per-batch data out of the batch (for example into the LightningModule)."
-        )
-    return distinct.pop()
+    """The batch's row count N: the common dim-0 size of the tensors nearest the top of the batch.
+
+    Tensors inside plain lists and tuples count only when no tensor sits at a shallower level, because such a list
+    may hold one item per sample (one boxes tensor per image) whose sizes are not the row count.
+
+    Raises:
+        BatchSplitError: no tensor with a batch dimension, or the nearest tensors disagree.
+    """
+    return _row_count(batch)[0]
 
 
-def scatter(batch: Any, devices: Sequence[torch.device]) -> tuple[list[Any], list[int]]:
+def scatter(
+    batch: Any, devices: Sequence[torch.device], memory: LayoutMemory | None = None
+) -> tuple[list[Any], list[int]]:
     """Split ``batch`` into chunks for the first ``len(sizes)`` devices, each moved to its device.
 
-    Tensors are split along dim 0, containers keep their type, lists of strings whose length is the batch size
-    are split with the rows they describe, and any other value is given whole to every replica.
+    Args:
+        batch: tensors, per-sample sequences and containers of them (see the module docstring for the rules).
+        devices: one per replica; a batch with fewer rows than devices uses the first ones.
+        memory: the readings of earlier batches of this run, which settle lists that read two ways and are
+            updated with this batch's; without it such a list is an error when it would be split.
 
     Returns:
         The chunks and their sizes along dim 0.
+
+    Raises:
+        BatchSplitError: the batch cannot be split consistently; the message names the key path and the fix.
     """
-    total = batch_size_of(batch)
-    sizes = chunk_sizes(total, len(devices))
+    rows, nearest = _row_count(batch)
+    sizes = chunk_sizes(rows, len(devices))
+    planner = _Planner(rows, len(sizes), memory)
+    plan = planner.plan(batch, "batch")
+    if planner.conflicts:
+        raise BatchSplitError(_disagreement(_listing(nearest) + planner.conflicts))
     chunks = [
-        _take(batch, start, size, total, device)
+        _take(batch, plan, start, size, device)
         for start, size, device in zip(_starts(sizes), sizes, devices[: len(sizes)], strict=True)
     ]
     return chunks, sizes
+
+
+def move_to(obj: Any, device: torch.device) -> Any:
+    """``obj`` with its tensors on ``device``; containers are rebuilt only when a tensor inside them moved."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if obj is None or isinstance(obj, _ATOMS):  # names and ids: skip the slower container checks
+        return obj
+    if isinstance(obj, Mapping):
+        values = list(obj.values())
+        moved = [move_to(value, device) for value in values]
+        if all(new is old for new, old in zip(moved, values, strict=True)):
+            return obj
+        return rebuild_mapping(obj, list(zip(obj.keys(), moved, strict=True)))
+    if is_dataclass_instance(obj):
+        pairs = field_values(obj)
+        moved_pairs = [(name, move_to(value, device)) for name, value in pairs]
+        if all(new is old for (_, new), (_, old) in zip(moved_pairs, pairs, strict=True)):
+            return obj
+        return rebuild_dataclass(obj, moved_pairs)
+    if isinstance(obj, (list, tuple)):
+        moved = [move_to(value, device) for value in obj]
+        if all(new is old for new, old in zip(moved, obj, strict=True)):
+            return obj
+        return type(obj)(*moved) if is_namedtuple(obj) else rebuild_sequence(obj, moved)
+    return obj
+
+
+def is_namedtuple(obj: Any) -> bool:
+    """Namedtuples are records whose fields are named, so they are never read as one item per sample."""
+    return isinstance(obj, tuple) and hasattr(obj, "_fields")
+
+
+def is_dataclass_instance(obj: Any) -> bool:
+    """A dataclass instance, not the class itself."""
+    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+
+
+def field_values(obj: Any) -> list[tuple[str, Any]]:
+    """Every field that is set, ``init=False`` ones included; one never assigned has no value to split."""
+    values = []
+    for field in dataclasses.fields(obj):
+        value = getattr(obj, field.name, _UNSET)
+        if value is not _UNSET:
+            values.append((field.name, value))
+    return values
+
+
+def rebuild_dataclass(original: Any, values: Iterable[tuple[str, Any]]) -> Any:
+    """A shallow copy of ``original`` with new field values, without calling ``__init__`` or ``__post_init__``.
+
+    ``dataclasses.replace`` cannot set ``init=False`` fields and would rerun ``__post_init__`` on values it has
+    already processed; setting the fields on a copy works for frozen and slotted dataclasses too.
+    """
+    rebuilt = copy.copy(original)
+    for name, value in values:
+        object.__setattr__(rebuilt, name, value)
+    return rebuilt
+
+
+def rebuild_mapping(original: Mapping, items: list[tuple[Any, Any]]) -> Mapping:
+    """A mapping of ``original``'s type, or a dict when that type cannot be built from key-value pairs."""
+    try:
+        return type(original)(items)  # type: ignore[call-arg]
+    except TypeError:
+        return dict(items)
+
+
+def rebuild_sequence(original: list | tuple, items: list[Any]) -> list | tuple:
+    """A list or tuple of ``original``'s type (``PerSample`` and ``Fields`` included) holding ``items``."""
+    kind = type(original)
+    if kind is list:
+        return items
+    if kind is tuple:
+        return tuple(items)
+    try:
+        return kind(items)
+    except TypeError:
+        return items if isinstance(original, list) else tuple(items)
+
+
+_UNSET = object()
+_ATOMS = (str, bytes, int, float)
+
+# How a value would read as batch data with N rows: it carries rows, holds no tensor, cannot be split by rows, or
+# holds a PerSample or Fields marker, which only batch data can (so the list around it is a container).
+_ROWS, _FREE, _CONFLICT, _MARKED = "rows", "free", "conflict", "marked"
+
+# Plans: how `_take` cuts a value for one replica, decided once per batch.
+_SPLIT, _WHOLE, _ITEMS, _MAPPING, _DATACLASS, _NAMEDTUPLE, _SEQUENCE = range(7)
+Plan = tuple[int, Any]
+_SPLIT_PLAN: Plan = (_SPLIT, None)
+_WHOLE_PLAN: Plan = (_WHOLE, None)
+_ITEMS_PLAN: Plan = (_ITEMS, None)
+
+
+def _row_count(batch: Any) -> tuple[int, list[tuple[str, int, bool]]]:
+    """N and the (path, size, is a PerSample) it was read from, level by level so deep lists are rarely walked."""
+    level: list[tuple[Any, str]] = [(batch, "batch")]
+    outermost = True
+    while level:
+        found: list[tuple[str, int, bool]] = []
+        deeper: list[tuple[Any, str]] = []
+        for obj, path in level:
+            _sizes_at_level(obj, path, found, deeper, outermost)
+        if found:
+            distinct = {size for _, size, _ in found}
+            if len(distinct) > 1:
+                raise BatchSplitError(_disagreement(_listing(found)))
+            return distinct.pop(), found
+        level, outermost = deeper, False
+    raise BatchSplitError(
+        f"mgpu_dp splits the batch along dim 0, but the batch ({type(batch).__name__}) holds no tensor with a"
+        " batch dimension. Return tensors from your DataLoader (its default collate does), wrap a list that holds"
+        " one item per sample in lightning_mgpu.PerSample(...), or use a single-device strategy for this model."
+    )
+
+
+def _sizes_at_level(
+    obj: Any, path: str, found: list[tuple[str, int, bool]], deeper: list[tuple[Any, str]], outermost: bool
+) -> None:
+    """Collect the row counts of one level; plain lists and tuples are left for the next level."""
+    if isinstance(obj, torch.Tensor):
+        if obj.dim() > 0:
+            found.append((path, obj.shape[0], False))
+        elif outermost:  # outside every list, so it cannot be one sample's value
+            raise BatchSplitError(_zero_dim(path))
+    elif isinstance(obj, PerSample):
+        found.append((path, len(obj), True))
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            _sizes_at_level(value, f"{path}[{key!r}]", found, deeper, outermost)
+    elif is_dataclass_instance(obj):
+        for name, value in field_values(obj):
+            _sizes_at_level(value, f"{path}.{name}", found, deeper, outermost)
+    elif isinstance(obj, Fields) or is_namedtuple(obj):
+        for index, value in enumerate(obj):
+            _sizes_at_level(value, f"{path}[{index}]", found, deeper, outermost)
+    elif isinstance(obj, (list, tuple)):
+        deeper.extend((value, f"{path}[{index}]") for index, value in enumerate(obj))
+
+
+def _zero_dim(path: str) -> str:
+    return (
+        f"{path} is a 0-dim tensor, which has no batch dimension to split across replicas."
+        " Give it a leading batch dimension, or move it out of the batch."
+    )
+
+
+class _Planner:
+    """Reads one batch top-down, its row count known, deciding how each value is cut for the replicas."""
+
+    def __init__(self, rows: int, chunks: int, memory: LayoutMemory | None) -> None:
+        self.rows = rows
+        self.chunks = chunks
+        self.memory = memory
+        self.conflicts: list[str] = []
+
+    def plan(self, obj: Any, path: str) -> Plan:
+        if isinstance(obj, torch.Tensor):
+            if obj.dim() == 0:
+                raise BatchSplitError(_zero_dim(path))
+            if obj.shape[0] != self.rows:
+                self.conflicts.append(f"{path}: {obj.shape[0]}")
+            return _SPLIT_PLAN
+        if isinstance(obj, PerSample):
+            if len(obj) != self.rows:
+                self.conflicts.append(f"{path}: {len(obj)} items")
+            return _ITEMS_PLAN
+        if isinstance(obj, Mapping):
+            return (_MAPPING, [self.plan(value, f"{path}[{key!r}]") for key, value in obj.items()])
+        if is_dataclass_instance(obj):
+            return (_DATACLASS, [(name, self.plan(value, f"{path}.{name}")) for name, value in field_values(obj)])
+        if isinstance(obj, (list, tuple)):
+            namedtuple = is_namedtuple(obj)
+            if not namedtuple and not isinstance(obj, Fields) and self._per_sample(obj, path):
+                return _ITEMS_PLAN
+            children = [self.plan(value, f"{path}[{index}]") for index, value in enumerate(obj)]
+            return (_NAMEDTUPLE if namedtuple else _SEQUENCE, children)
+        return _WHOLE_PLAN
+
+    def _per_sample(self, obj: list | tuple, path: str) -> bool:
+        memory = self.memory
+        remembered = memory.recall(path) if memory is not None else None
+        if len(obj) != self.rows:
+            if remembered:
+                raise BatchSplitError(
+                    f"{path} has {len(obj)} items but the batch has {self.rows} rows, while in an earlier batch it"
+                    " had one item per row and was split with the rows. A list that holds one item per sample must"
+                    " have one per row in every batch; if it holds fields or values for the whole batch, wrap it"
+                    " in lightning_mgpu.Fields(...) in your collate_fn."
+                )
+            if memory is not None and remembered is None:
+                memory.remember(path, False)
+            return False
+        if remembered is not None:
+            return remembered
+        fits = {_fit(item, self.rows) for item in obj}
+        if _MARKED in fits:
+            per_sample = False
+        elif _CONFLICT in fits or _ROWS not in fits:
+            per_sample = True
+        elif self.chunks == 1:
+            return False  # one chunk gets the whole list either way
+        else:
+            raise BatchSplitError(self._ambiguity(obj, path))
+        if memory is not None:
+            memory.remember(path, per_sample)
+        return per_sample
+
+    def _ambiguity(self, obj: list | tuple, path: str) -> str:
+        return (
+            f"{path} is a {type(obj).__name__} of {len(obj)} items, as many as the batch has rows, and its tensors"
+            f" have {self.rows} rows too, so it could hold one item per sample (each replica gets whole items) or"
+            " fields of the batch (each split along dim 0), and no earlier batch of this run told which. In your"
+            " collate_fn, wrap it in lightning_mgpu.PerSample(...) if it holds one item per sample, or in"
+            " lightning_mgpu.Fields(...) (or return a dict, namedtuple or dataclass) if each item is a field with"
+            " one row per sample; for a TensorDataset, collate_fn=lambda samples:"
+            " lightning_mgpu.Fields(torch.utils.data.default_collate(samples))."
+        )
+
+
+def _fit(obj: Any, rows: int) -> str:
+    """How ``obj`` would read as batch data with ``rows`` rows; pure, so items of a per-sample list leave no trace."""
+    if isinstance(obj, torch.Tensor):
+        return _ROWS if obj.dim() > 0 and obj.shape[0] == rows else _CONFLICT
+    if isinstance(obj, (PerSample, Fields)):
+        return _MARKED
+    if isinstance(obj, Mapping):
+        return _combine(_fit(value, rows) for value in obj.values())
+    if is_dataclass_instance(obj):
+        return _combine(_fit(value, rows) for _, value in field_values(obj))
+    if isinstance(obj, (list, tuple)):
+        fits = [_fit(value, rows) for value in obj]
+        if len(obj) == rows and not is_namedtuple(obj) and _MARKED not in fits:
+            return _FREE if all(fit == _FREE for fit in fits) else _ROWS  # it carries the rows either way
+        return _combine(fits)
+    return _FREE
+
+
+def _combine(fits: Iterable[str]) -> str:
+    result = _FREE
+    for fit in fits:
+        if fit == _MARKED:
+            return _MARKED
+        if fit == _CONFLICT:
+            result = _CONFLICT
+        elif fit == _ROWS and result == _FREE:
+            result = _ROWS
+    return result
+
+
+def _take(obj: Any, plan: Plan, start: int, size: int, device: torch.device) -> Any:
+    kind, children = plan
+    if kind == _SPLIT:
+        return obj.narrow(0, start, size).to(device, non_blocking=True)
+    if kind == _WHOLE:
+        return obj
+    if kind == _ITEMS:
+        return rebuild_sequence(obj, [move_to(item, device) for item in obj[start : start + size]])
+    if kind == _MAPPING:
+        items = [
+            (key, _take(value, child, start, size, device))
+            for (key, value), child in zip(obj.items(), children, strict=True)
+        ]
+        return rebuild_mapping(obj, items)
+    if kind == _DATACLASS:
+        values = [(name, _take(getattr(obj, name), child, start, size, device)) for name, child in children]
+        return rebuild_dataclass(obj, values)
+    values = [_take(value, child, start, size, device) for value, child in zip(obj, children, strict=True)]
+    return type(obj)(*values) if kind == _NAMEDTUPLE else rebuild_sequence(obj, values)
 
 
 def _starts(sizes: list[int]) -> list[int]:
@@ -73,49 +420,15 @@ def _starts(sizes: list[int]) -> list[int]:
     return starts
 
 
-def _is_per_sample_strings(obj: Any) -> bool:
-    return isinstance(obj, (list, tuple)) and len(obj) > 0 and all(isinstance(item, (str, bytes)) for item in obj)
+def _listing(found: list[tuple[str, int, bool]]) -> list[str]:
+    return [f"{path}: {size}{' items' if items else ''}" for path, size, items in found]
 
 
-def _collect_sizes(obj: Any, path: str, sizes: dict[str, int]) -> None:
-    if isinstance(obj, torch.Tensor):
-        if obj.dim() == 0:
-            raise BatchSplitError(
-                f"{path} is a 0-dim tensor, which has no batch dimension to split across replicas."
-                " Give it a leading batch dimension, or move it out of the batch."
-            )
-        sizes[path] = obj.shape[0]
-    elif isinstance(obj, Mapping):
-        for key, value in obj.items():
-            _collect_sizes(value, f"{path}[{key!r}]", sizes)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for field in dataclasses.fields(obj):
-            _collect_sizes(getattr(obj, field.name), f"{path}.{field.name}", sizes)
-    elif isinstance(obj, (list, tuple)) and not _is_per_sample_strings(obj):
-        for index, value in enumerate(obj):
-            _collect_sizes(value, f"{path}[{index}]", sizes)
-
-
-def _take(obj: Any, start: int, size: int, total: int, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.narrow(0, start, size).to(device, non_blocking=True)
-    if isinstance(obj, Mapping):
-        items = [(key, _take(value, start, size, total, device)) for key, value in obj.items()]
-        return _rebuild_mapping(obj, items)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changes = {f.name: _take(getattr(obj, f.name), start, size, total, device) for f in dataclasses.fields(obj)}
-        return dataclasses.replace(obj, **changes)
-    if _is_per_sample_strings(obj):
-        return type(obj)(obj[start : start + size]) if len(obj) == total else obj
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_take(value, start, size, total, device) for value in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_take(value, start, size, total, device) for value in obj)
-    return obj
-
-
-def _rebuild_mapping(original: Mapping, items: list[tuple[Any, Any]]) -> Mapping:
-    try:
-        return type(original)(items)  # type: ignore[call-arg]
-    except TypeError:
-        return dict(items)
+def _disagreement(listing: list[str]) -> str:
+    shown = ", ".join(listing[:12]) + (f", ... ({len(listing) - 12} more)" if len(listing) > 12 else "")
+    return (
+        f"The tensors in the batch disagree on their size along dim 0 ({shown}), so the batch cannot be split into"
+        " matching chunks per replica. Make every tensor in the batch hold one row per sample; wrap a list that"
+        " holds one item per sample (such as one boxes tensor per image) in lightning_mgpu.PerSample(...) in your"
+        " collate_fn; or move per-batch data out of the batch (for example into the LightningModule)."
+    )

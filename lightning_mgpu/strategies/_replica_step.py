@@ -58,7 +58,7 @@ def run_replica_step(
     if health is not None and health.wants(f"attributes in {step}"):
         assigned = assigned_attributes(module, replica_outputs.replicas[0], _SET_BY_PREPARE)
         health.check_assigned(assigned, step)
-    gathered = wrapper.gather(replica_outputs.outputs)
+    gathered = wrapper.gather(replica_outputs.outputs, replica_outputs.sizes, step)
     if has_step_end(module, step):
         result = call_step_end(module, step, gathered)
     elif step == "predict_step":
