@@ -10,19 +10,25 @@ It is written the way the multi-device lessons say, and runs unchanged under eve
 * parameters are registered with ``register_parameter`` (no ``nn.ParameterList``), so every replica sees them;
 * ``training_step``/``validation_step`` return one likelihood per sample and do no batch-wise reduction, because
   each replica sees only its chunk of the batch;
-* the loss (mean negative log-likelihood in bits) is computed in ``training_step_end``/``validation_step_end`` from
-  the likelihoods of the whole batch, gathered on the root device.
+* the loss (mean negative log-likelihood in bits) is computed in ``training_step_end``/``validation_step_end``/
+  ``test_step_end`` from the likelihoods of the whole batch, gathered on the root device;
+* ``predict_step`` returns each sample with its likelihood, and reduces nothing either.
 
-At the end of ``fit`` the model's own callback (``configure_callbacks``) draws the learned density over the training
-data's histogram into ``<run folder>/density.png``. Run it from anywhere (the repository root is put on ``sys.path``)::
+The model's own callbacks (``configure_callbacks``) write into the run folder: at the end of ``fit``, the learned
+density over the training data's histogram (``density.png``); at the end of ``predict``, the likelihood of every
+held-out test sample (``predictions.csv``, see ``DensityPredictions``). Run it from anywhere (the repository root is put
+on ``sys.path``)::
 
     python examples/density.py                                          # fit with configs/quickstart.yaml
     python examples/density.py fit --config configs/quickstart.yaml     # the same, any LightningCLI option after it
     lightning-mgpu fit --config configs/quickstart.yaml                 # the same through the package's command
+    lightning-mgpu test --config configs/quickstart.yaml --ckpt_path runs/quickstart/version_0/checkpoints/<name>.ckpt
+    lightning-mgpu predict --config configs/quickstart.yaml --ckpt_path <the same checkpoint>
 """
 
 from __future__ import annotations
 
+import csv
 import math
 import os
 import sys
@@ -33,6 +39,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.utils.data import DataLoader
@@ -50,6 +57,8 @@ class GaussianMixtureData(L.LightningDataModule):
     Args:
         num_samples: training samples.
         num_val_samples: validation samples, drawn independently of the training samples.
+        num_test_samples: test samples, drawn after the validation samples from the same generator; ``test`` scores
+            them and ``predict`` gives the likelihood of each.
         batch_size: samples per batch; under ``mgpu_dp`` each batch is split across the devices.
         components: ``(weight, mean, std)`` per mixture component; weights are normalised to sum to 1.
         seed: seed of the generator that draws the samples.
@@ -60,6 +69,7 @@ class GaussianMixtureData(L.LightningDataModule):
         self,
         num_samples: int = 20_000,
         num_val_samples: int = 4_000,
+        num_test_samples: int = 4_000,
         batch_size: int = 500,
         components: Sequence[Sequence[float]] = ((0.3, -12.0, 3.0), (0.5, 0.0, 2.0), (0.2, 10.0, 4.0)),
         seed: int = 0,
@@ -70,12 +80,14 @@ class GaussianMixtureData(L.LightningDataModule):
             raise ValueError(f"components must be (weight, mean, std) triples, got {components!r}")
         self.num_samples = num_samples
         self.num_val_samples = num_val_samples
+        self.num_test_samples = num_test_samples
         self.batch_size = batch_size
         self.components = torch.tensor([list(component) for component in components], dtype=torch.float64)
         self.seed = seed
         self.shuffle = shuffle
         self.train_data: torch.Tensor | None = None
         self.val_data: torch.Tensor | None = None
+        self.test_data: torch.Tensor | None = None
 
     def sample(self, num_samples: int, generator: torch.Generator) -> torch.Tensor:
         """Draw ``num_samples`` samples as a float32 tensor of shape ``(num_samples, 1)``."""
@@ -85,9 +97,11 @@ class GaussianMixtureData(L.LightningDataModule):
         return (means[which] + stds[which] * noise).to(torch.float32).unsqueeze(1)
 
     def setup(self, stage: str) -> None:
+        # Every stage draws all three sets in the same order, so each set is the same whatever the stage.
         generator = torch.Generator().manual_seed(self.seed)
         self.train_data = self.sample(self.num_samples, generator)
         self.val_data = self.sample(self.num_val_samples, generator)
+        self.test_data = self.sample(self.num_test_samples, generator)
 
     def train_dataloader(self) -> DataLoader:
         assert self.train_data is not None
@@ -96,6 +110,15 @@ class GaussianMixtureData(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         assert self.val_data is not None
         return DataLoader(self.val_data, batch_size=self.batch_size, shuffle=False, num_workers=0)
+
+    def test_dataloader(self) -> DataLoader:
+        assert self.test_data is not None
+        return DataLoader(self.test_data, batch_size=self.batch_size, shuffle=False, num_workers=0)
+
+    def predict_dataloader(self) -> DataLoader:
+        """The test samples, in order: ``predict`` gives the likelihood of each."""
+        assert self.test_data is not None
+        return DataLoader(self.test_data, batch_size=self.batch_size, shuffle=False, num_workers=0)
 
 
 class DensityModel(MGPUMixin, L.LightningModule):
@@ -174,11 +197,23 @@ class DensityModel(MGPUMixin, L.LightningModule):
         self.log("val_nll", loss, prog_bar=True, sync_dist=True)  # epoch mean over every rank under DDP
         return loss
 
+    def test_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self(batch)
+
+    def test_step_end(self, likelihoods: torch.Tensor) -> torch.Tensor:
+        loss = nll_bits(likelihoods)
+        self.log("test_nll", loss, sync_dist=True)
+        return loss
+
+    def predict_step(self, batch: torch.Tensor, batch_idx: int, dataloader_idx: int = 0) -> dict[str, torch.Tensor]:
+        """Each sample ``(batch, channels)`` with its likelihood ``(batch,)``; ``DensityPredictions`` writes them."""
+        return {"x": batch, "likelihood": self(batch)}
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=self.lr)
 
     def configure_callbacks(self) -> list[L.Callback]:
-        return [DensityPlot()]
+        return [DensityPlot(), DensityPredictions()]
 
 
 def nll_bits(likelihoods: torch.Tensor) -> torch.Tensor:
@@ -244,6 +279,81 @@ def draw_density(figure: Any, model: DensityModel, data: torch.Tensor, bins: int
         axes.legend(loc="upper right")
     figure.tight_layout()
     return figure
+
+
+class DensityPredictions(BasePredictionWriter):
+    """At the end of ``predict``, write every sample's likelihood to ``<trainer.log_dir>/<filename>``.
+
+    A plain CSV file, readable without torch: one row per sample of the predict dataloader, in dataset order, with the
+    columns ``index`` (the sample's position in the dataset), ``x`` (the sample; ``x_0``, ``x_1``, ... with several
+    channels), ``likelihood`` (the model's probability mass on ``[x - 0.5, x + 0.5]``) and ``nll_bits``
+    (``-log2(likelihood)``: on the test samples their mean is ``test_nll``).
+
+    Under ``mgpu_dp`` each batch's predictions arrive gathered from every replica. Under DDP each process predicts its
+    own share of the samples (Lightning's predict sampler repeats none); the rows are gathered to global rank 0, which
+    writes the one file, so the file is the same whatever the strategy. One predict dataloader is expected.
+
+    Args:
+        filename: name of the CSV file in the run folder.
+    """
+
+    def __init__(self, filename: str = "predictions.csv") -> None:
+        super().__init__(write_interval="epoch")
+        self.filename = filename
+        self.path: str | None = None  # where the last ``predict`` wrote, on global rank 0
+
+    def write_on_epoch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        predictions: Sequence[Any],
+        batch_indices: Sequence[Any],
+    ) -> None:
+        if len(batch_indices) != 1:
+            raise ValueError(
+                f"{type(self).__name__} writes the predictions of one predict dataloader, got {len(batch_indices)};"
+                " return one DataLoader from predict_dataloader()."
+            )
+        rows: dict[int, list[float]] = {}
+        for prediction, indices in zip(predictions, batch_indices[0], strict=True):
+            x = prediction["x"].detach().float().cpu().reshape(len(indices), -1)
+            likelihood = prediction["likelihood"].detach().float().cpu()
+            bits = -torch.log2(likelihood)
+            for row, index in enumerate(indices):
+                rows[int(index)] = [*x[row].tolist(), likelihood[row].item(), bits[row].item()]
+        rows = gather_to_rank_zero(trainer, rows)
+        log_dir = trainer.log_dir  # a collective under DDP: read it on every rank
+        if not trainer.is_global_zero or log_dir is None or not rows:
+            return
+        channels = len(next(iter(rows.values()))) - 2
+        x_columns = ["x"] if channels == 1 else [f"x_{channel}" for channel in range(channels)]
+        self.path = write_csv(
+            os.path.join(log_dir, self.filename), ["index", *x_columns, "likelihood", "nll_bits"], rows
+        )
+
+
+def gather_to_rank_zero(trainer: L.Trainer, rows: dict[int, list[float]]) -> dict[int, list[float]]:
+    """Every process's rows, by dataset index, on global rank 0 (the others get theirs back); a collective under DDP.
+
+    Rows of the same index (a sampler that repeats samples to even out the processes) are kept once.
+    """
+    if trainer.world_size == 1 or not torch.distributed.is_initialized():
+        return rows
+    gathered: list[Any] | None = [None] * trainer.world_size if trainer.is_global_zero else None
+    torch.distributed.gather_object(rows, gathered, dst=0)
+    if gathered is None:
+        return rows
+    return {index: row for rank_rows in gathered for index, row in rank_rows.items()}
+
+
+def write_csv(path: str, header: Sequence[str], rows: dict[int, list[float]]) -> str:
+    """Write ``header`` and one line per index, in index order, as ``index, *row``; return ``path``."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", newline="") as file:
+        writer = csv.writer(file)
+        writer.writerow(header)
+        writer.writerows([index, *rows[index]] for index in sorted(rows))
+    return path
 
 
 def main(args: Sequence[str] | None = None) -> int:

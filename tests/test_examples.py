@@ -2,6 +2,8 @@
 
 The example scripts' defaults (``python examples/density.py``, ``python examples/classifier.py``) run here in full, in
 this process; ``tests/test_cli.py`` runs the same scripts as subprocesses from another directory and under mgpu_ddp.
+``lightning-mgpu test`` and ``predict`` run here on a checkpoint of a short ``fit`` of each example's config, in this
+process under mgpu_dp and, for ``configs/ddp_cpu.yaml``, as 2 real processes.
 """
 
 from __future__ import annotations
@@ -9,16 +11,21 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
+import signal
 import struct
+import subprocess
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
+import yaml
+from processes import clean_env, free_port
 
 import lightning_mgpu
 from lightning_mgpu.cli import main as lightning_mgpu_main
@@ -31,6 +38,13 @@ from examples import classifier, density  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 QUIET = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
+CONFIGS = ROOT / "configs"
+PROCESS_TIMEOUT = 120
+# The quickstart's data, smaller; 1001 test samples make the last batch a single row (fewer rows than replicas, and
+# one more row on DDP's rank 0 than on rank 1).
+DENSITY_DATA = ["--data.init_args.num_samples", "2000", "--data.init_args.num_val_samples", "500"]
+DENSITY_DATA += ["--data.init_args.num_test_samples", "1001"]
+NUM_TEST_DIGITS = 180  # 10 % of the 1797 images
 
 
 @pytest.fixture(autouse=True)
@@ -55,6 +69,45 @@ def png_size(path: Path) -> tuple[int, int]:
     assert (length, kind) == (13, b"IHDR")
     assert data.endswith(b"IEND\xaeB`\x82")  # the closing chunk: the file was written whole
     return width, height
+
+
+def read_predictions(path: Path) -> tuple[list[str], list[list[float]]]:
+    """The header and the rows of a predictions file, read with the csv module alone (no torch needed)."""
+    with open(path, newline="") as predictions_file:
+        header, *rows = csv.reader(predictions_file)
+    return header, [[float(value) for value in row] for row in rows]
+
+
+def predictions_column(path: Path, name: str) -> torch.Tensor:
+    header, rows = read_predictions(path)
+    return torch.tensor([row[header.index(name)] for row in rows], dtype=torch.float64)
+
+
+def _fit_checkpoint(root: Path, config: str, *overrides: str) -> Path:
+    """The one checkpoint of ``lightning-mgpu fit --config configs/<config> --trainer.max_epochs 1 <overrides>``."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys, "argv", ["lightning-mgpu"])
+        args = ["fit", "--config", str(CONFIGS / config), "--trainer.max_epochs", "1", *overrides]
+        assert lightning_mgpu_main([*args, "--trainer.default_root_dir", str(root)]) == 0
+    (checkpoint,) = (root / "version_0" / "checkpoints").iterdir()
+    return checkpoint
+
+
+@pytest.fixture(scope="module")
+def density_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _fit_checkpoint(tmp_path_factory.mktemp("density_fit"), "quickstart.yaml", *DENSITY_DATA)
+
+
+@pytest.fixture(scope="module")
+def classifier_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _fit_checkpoint(tmp_path_factory.mktemp("classifier_fit"), "classifier.yaml")
+
+
+def _run_command(root: Path, subcommand: str, config: str, checkpoint: Path, *overrides: str) -> Path:
+    """Run ``lightning-mgpu <subcommand> --config configs/<config> --ckpt_path <checkpoint>``; its run folder."""
+    args = [subcommand, "--config", str(CONFIGS / config), "--ckpt_path", str(checkpoint), *overrides]
+    assert lightning_mgpu_main([*args, "--trainer.default_root_dir", str(root)]) == 0
+    return root / "version_0"
 
 
 def _initial_weight(model: Any, k: int) -> float:
@@ -217,6 +270,112 @@ def test_likelihoods_are_bounded_and_sum_to_one_over_unit_bins() -> None:
     assert torch.isfinite(density.nll_bits(far))
 
 
+def _density_test_samples(checkpoint: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """The test samples of ``DENSITY_DATA`` and their likelihoods under the checkpoint, computed directly."""
+    data = density.GaussianMixtureData(num_samples=2000, num_val_samples=500, num_test_samples=1001, seed=0)
+    data.setup("test")
+    assert data.test_data is not None
+    model = density.DensityModel.load_from_checkpoint(checkpoint, map_location="cpu")
+    with torch.no_grad():
+        return data.test_data, model(data.test_data)
+
+
+def test_density_test_scores_the_held_out_samples(
+    density_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_folder = _run_command(tmp_path, "test", "quickstart.yaml", density_checkpoint, *DENSITY_DATA)
+
+    (test_nll,) = column(read_metrics(run_folder), "test_nll")
+    samples, likelihoods = _density_test_samples(density_checkpoint)
+    assert test_nll == pytest.approx(density.nll_bits(likelihoods).item(), abs=1e-5)  # 500 + 500 + 1 rows, weighted
+    assert 4 < test_nll < 10  # bits; one short epoch
+    assert "test_nll=" in capsys.readouterr().out
+
+    data = density.GaussianMixtureData(num_samples=2000, num_val_samples=500, num_test_samples=1001, seed=0)
+    data.setup("fit")
+    assert data.train_data is not None
+    assert data.val_data is not None
+    assert not set(samples.flatten().tolist()) & set(torch.cat([data.train_data, data.val_data]).flatten().tolist())
+
+
+def test_density_predict_writes_every_test_sample_likelihood_in_order(density_checkpoint: Path, tmp_path: Path) -> None:
+    two = _run_command(tmp_path / "two", "predict", "quickstart.yaml", density_checkpoint, *DENSITY_DATA)
+    one = _run_command(
+        tmp_path / "one", "predict", "quickstart.yaml", density_checkpoint, *DENSITY_DATA, "--trainer.devices", "1"
+    )
+
+    header, rows = read_predictions(two / "predictions.csv")
+    assert header == ["index", "x", "likelihood", "nll_bits"]
+    assert [row[0] for row in rows] == list(range(1001))  # one row per test sample, in dataset order
+    samples, likelihoods = _density_test_samples(density_checkpoint)
+    path = two / "predictions.csv"
+    torch.testing.assert_close(predictions_column(path, "x"), samples.squeeze(1).double(), rtol=0, atol=0)
+    torch.testing.assert_close(predictions_column(path, "likelihood"), likelihoods.double(), rtol=0, atol=1e-6)
+    likelihood = predictions_column(path, "likelihood")
+    assert density.LIKELIHOOD_BOUND <= likelihood.min() <= likelihood.max() <= 1
+    torch.testing.assert_close(predictions_column(path, "nll_bits"), -torch.log2(likelihood), rtol=1e-6, atol=1e-6)
+    for name in header:  # mgpu_dp on 2 replicas gives one device's predictions
+        torch.testing.assert_close(
+            predictions_column(one / "predictions.csv", name), predictions_column(path, name), rtol=0, atol=1e-6
+        )
+
+
+@pytest.fixture
+def stop_on_exit() -> Iterator[list[subprocess.Popen[str]]]:
+    processes: list[subprocess.Popen[str]] = []
+    yield processes
+    for process in processes:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)  # its own session: the rank it started goes with it
+            process.wait()
+
+
+def test_ddp_cpu_predict_gathers_both_processes_rows_into_one_file(
+    density_checkpoint: Path, tmp_path: Path, stop_on_exit: list[subprocess.Popen[str]]
+) -> None:
+    args = ["-m", "lightning_mgpu", "predict", "--config", "configs/ddp_cpu.yaml", *DENSITY_DATA]
+    args += ["--ckpt_path", str(density_checkpoint), "--trainer.default_root_dir", str(tmp_path)]
+    process = subprocess.Popen(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=clean_env(MASTER_PORT=str(free_port())),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    stop_on_exit.append(process)
+    try:
+        output, _ = process.communicate(timeout=PROCESS_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"lightning-mgpu predict under mgpu_ddp did not end within {PROCESS_TIMEOUT} s")
+
+    assert process.returncode == 0, output[-4000:]
+    assert "Starting with 2 processes" in output
+    run_folder = tmp_path / "version_0"
+    assert sorted(path.name for path in run_folder.glob("predictions*")) == ["predictions.csv"]  # rank 0's alone
+    path = run_folder / "predictions.csv"
+    header, rows = read_predictions(path)
+    assert header == ["index", "x", "likelihood", "nll_bits"]
+    assert [row[0] for row in rows] == list(range(1001))  # rank 0's 501 and rank 1's 500 rows, interleaved back
+    samples, likelihoods = _density_test_samples(density_checkpoint)
+    torch.testing.assert_close(predictions_column(path, "x"), samples.squeeze(1).double(), rtol=0, atol=0)
+    torch.testing.assert_close(predictions_column(path, "likelihood"), likelihoods.double(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("subcommand", ["test", "predict"])
+@pytest.mark.parametrize("config", ["dp_gpu.yaml", "ddp_gpu.yaml"])
+def test_gpu_configs_parse_for_test_and_predict(
+    config: str, subcommand: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        lightning_mgpu_main([subcommand, "--config", str(CONFIGS / config), "--print_config"])
+    assert exit_.value.code in (0, None)
+    parsed = yaml.safe_load(capsys.readouterr().out)
+    assert parsed["trainer"]["accelerator"] == "gpu"
+    assert parsed["data"]["init_args"]["num_test_samples"] == 4000
+
+
 @pytest.mark.parametrize("example", [density, classifier])
 def test_scripts_reject_an_unknown_subcommand_with_the_usage(example: Any, capsys: pytest.CaptureFixture[str]) -> None:
     assert example.main(["train"]) == 2
@@ -232,18 +391,28 @@ def test_digits_are_split_by_seed_into_float_images() -> None:
     data.setup("fit")
     assert data.train_set is not None
     assert data.val_set is not None
+    assert data.test_set is not None
     train_images, train_labels = data.train_set.tensors
     val_images, val_labels = data.val_set.tensors
-    assert (len(train_labels), len(val_labels)) == (1438, 359)
+    test_images, test_labels = data.test_set.tensors
+    assert (len(train_labels), len(val_labels), len(test_labels)) == (1437, 180, NUM_TEST_DIGITS)
     assert train_images.shape[1:] == (1, 8, 8)
     assert train_images.dtype == torch.float32
     assert 0 <= train_images.min() <= train_images.max() <= 1
-    # Every image in exactly one split: together the splits hold each digit as often as the dataset does.
+    # Every image in exactly one split: no image twice, and together the splits hold the whole dataset.
     from sklearn.datasets import load_digits
 
-    everything = torch.tensor(load_digits().target)
-    assert torch.equal(torch.bincount(torch.cat([train_labels, val_labels])), torch.bincount(everything))
-    assert torch.bincount(val_labels).min() > 20  # every class in the validation split
+    digits = load_digits()
+    everything = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    splits = torch.cat([train_images, val_images, test_images]).flatten(1)
+    assert len(torch.unique(splits, dim=0)) == len(torch.unique(everything.flatten(1), dim=0))
+    assert torch.equal(torch.sort(splits, dim=0).values, torch.sort(everything.flatten(1), dim=0).values)
+    labels = torch.cat([train_labels, val_labels, test_labels])
+    assert torch.equal(torch.bincount(labels), torch.bincount(torch.tensor(digits.target)))
+    assert torch.bincount(val_labels).min() > 10  # every class in the validation split
+    assert torch.bincount(test_labels).min() > 10  # and in the test split
+    predict_images, predict_labels = next(iter(data.predict_dataloader()))
+    torch.testing.assert_close(predict_images, test_images[:64], rtol=0, atol=0)  # predict: the test images, in order
 
     again = classifier.DigitsData(seed=0)
     again.setup("fit")
@@ -294,6 +463,58 @@ def test_val_acc_counts_every_gathered_prediction_once() -> None:
     assert metrics["val_acc"] == pytest.approx((logits.argmax(dim=1) == labels).float().mean().item(), abs=1e-6)
     expected_loss = torch.nn.functional.cross_entropy(logits, labels).item()
     assert metrics["val_loss"] == pytest.approx(expected_loss, rel=1e-5)  # batch means weighted by batch size
+
+
+def _classifier_test_logits(checkpoint: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of the test images under the checkpoint, computed directly, and the images' labels."""
+    data = classifier.DigitsData()
+    data.setup("test")
+    assert data.test_set is not None
+    images, labels = data.test_set.tensors
+    model = classifier.DigitsClassifier.load_from_checkpoint(checkpoint, map_location="cpu")
+    with torch.no_grad():
+        return model(images), labels
+
+
+def test_classifier_test_scores_the_test_split(
+    classifier_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_folder = _run_command(tmp_path, "test", "classifier.yaml", classifier_checkpoint)
+
+    metrics = read_metrics(run_folder)
+    (test_acc,), (test_loss,) = column(metrics, "test_acc"), column(metrics, "test_loss")
+    logits, labels = _classifier_test_logits(classifier_checkpoint)
+    assert test_acc == pytest.approx((logits.argmax(dim=1) == labels).double().mean().item(), abs=1e-6)
+    assert test_loss == pytest.approx(torch.nn.functional.cross_entropy(logits, labels).item(), rel=1e-5)
+    assert test_acc > 0.5  # one epoch: ~0.8
+    output = capsys.readouterr().out
+    assert "test_acc=" in output
+    assert "test_loss=" in output
+
+
+def test_classifier_predict_writes_each_test_image_probabilities_in_order(
+    classifier_checkpoint: Path, tmp_path: Path
+) -> None:
+    two = _run_command(tmp_path / "two", "predict", "classifier.yaml", classifier_checkpoint)
+    one = _run_command(tmp_path / "one", "predict", "classifier.yaml", classifier_checkpoint, "--trainer.devices", "1")
+
+    path = two / "predictions.csv"
+    header, rows = read_predictions(path)
+    probability_columns = [f"probability_{digit}" for digit in range(10)]
+    assert header == ["index", "label", "predicted", *probability_columns]
+    assert [row[0] for row in rows] == list(range(NUM_TEST_DIGITS))  # one row per test image, in dataset order
+    probabilities = torch.stack([predictions_column(path, name) for name in probability_columns], dim=1)
+    assert 0 <= probabilities.min() <= probabilities.max() <= 1
+    ones = torch.ones(NUM_TEST_DIGITS, dtype=torch.float64)
+    torch.testing.assert_close(probabilities.sum(dim=1), ones, rtol=0, atol=1e-6)  # float32 softmax
+    logits, labels = _classifier_test_logits(classifier_checkpoint)
+    torch.testing.assert_close(probabilities, logits.softmax(dim=1).double(), rtol=0, atol=1e-6)
+    assert torch.equal(predictions_column(path, "label").long(), labels)
+    assert torch.equal(predictions_column(path, "predicted").long(), probabilities.argmax(dim=1))
+    for name in header:  # mgpu_dp on 2 replicas gives one device's predictions
+        torch.testing.assert_close(
+            predictions_column(one / "predictions.csv", name), predictions_column(path, name), rtol=0, atol=1e-6
+        )
 
 
 @pytest.mark.parametrize(
