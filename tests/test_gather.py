@@ -151,14 +151,21 @@ def test_without_chunk_sizes_lists_are_gathered_item_by_item() -> None:
     assert [item.tolist() for item in gathered] == [[0, 0, 1, 1], [0, 0, 1, 1]]
 
 
-def test_a_list_that_merges_both_ways_names_its_path_and_both_fixes() -> None:
+def test_tensors_with_the_chunks_rows_are_gathered_item_by_item_as_torch_does() -> None:
     outputs = [{"pair": (torch.tensor(1.0), torch.tensor(2.0))}, {"pair": (torch.tensor(3.0), torch.tensor(4.0))}]
-    with pytest.raises(
-        GatherError,
-        match=r"output\['pair'\] is a tuple with one item per row of each replica's chunk \(\[2, 2\] items.*"
-        r"concatenate.*item by item.*no earlier step.*lightning_mgpu\.PerSample\(\.\.\.\).*lightning_mgpu\.Fields",
-    ):
-        gather(outputs, CPU, [2, 2])
+    first, second = gather(outputs, CPU, [2, 2])["pair"]
+    assert (first.tolist(), second.tolist()) == ([1.0, 3.0], [2.0, 4.0])
+    logits, features = gather(
+        [(torch.zeros(2, 5), torch.zeros(2, 3)), (torch.ones(2, 5), torch.ones(2, 3))], CPU, [2, 2]
+    )
+    assert (logits.shape, features.shape) == ((4, 5), (4, 3))
+
+
+def test_per_sample_tensors_with_the_chunks_rows_are_concatenated_when_marked() -> None:
+    outputs = [PerSample([torch.zeros(2, 4), torch.zeros(2, 4)]), PerSample([torch.ones(2, 4), torch.ones(2, 4)])]
+    gathered = gather(outputs, CPU, [2, 2])
+    assert [item.shape for item in gathered] == [(2, 4)] * 4
+    assert [float(item.sum()) for item in gathered] == [0.0, 0.0, 8.0, 8.0]
 
 
 def test_memory_gathers_a_list_as_earlier_steps_did() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from itertools import chain
 from typing import Any
 
 import torch
@@ -13,13 +14,15 @@ from lightning_mgpu.engine.batchnorm import ReplicaRendezvous, batchnorm_paths, 
 from lightning_mgpu.engine.gather import gather
 from lightning_mgpu.engine.parallel_apply import ContextFactory, ParallelApply
 from lightning_mgpu.engine.replicate import ReplicaCache, keep_reassigned_buffers
-from lightning_mgpu.engine.scatter import LayoutMemory, scatter
-from lightning_mgpu.errors import ConfigurationError
+from lightning_mgpu.engine.scatter import Fields, LayoutMemory, move_to, scatter
+from lightning_mgpu.errors import BatchSplitError, ConfigurationError
 
 PHASES = ("scatter", "replicate", "parallel_apply", "gather")
 """The engine's phases, timed in ``DataParallel.phase_seconds`` (seconds summed over calls)."""
 
 PrepareReplica = Callable[[nn.Module, int, int, torch.device], None]
+DeviceLike = torch.device | str | int
+_Call = tuple[tuple[Any, ...], dict[str, Any]]
 
 
 class ReplicaOutputs:
@@ -40,26 +43,53 @@ class ReplicaOutputs:
 class DataParallel(nn.Module):
     """Single-process data parallelism over any devices, the CPU and repeated devices included.
 
-    ``torch.nn.DataParallel`` needs distinct CUDA devices; this wrapper runs the same algorithm with replicas whose
-    parameters alias the originals where a device repeats, so a model can be checked for data-parallel problems on
-    a laptop. Attribute access falls through to the wrapped module; calling the wrapper runs ``forward`` in
-    parallel.
+    A drop-in for ``torch.nn.DataParallel``: it takes the same arguments, in the same order, and ``forward`` splits
+    every positional and keyword input by the same rows. ``torch.nn.DataParallel`` needs distinct CUDA devices; this
+    wrapper runs the same algorithm with replicas whose parameters alias the originals where a device repeats, so a
+    model can be checked for data-parallel problems on a laptop. Attribute access falls through to the wrapped
+    module; calling the wrapper runs ``forward`` in parallel.
 
     Args:
-        module: the module to replicate; it must live on ``devices[0]``.
-        devices: one entry per replica; the first is the root device that outputs are gathered on.
+        module: the module to replicate; it must live on the first device (with one device it is moved there, as
+            ``torch.nn.DataParallel`` moves it).
+        devices: one entry per replica, as ``torch.device``, a string, or an accelerator index as
+            ``torch.nn.DataParallel`` takes them; the first is the root device that inputs are split from and
+            replica 0 runs on. By default every CUDA device, or the CPU alone where there is none.
+        output_device: where ``forward`` gathers its outputs; by default the root device. ``-1`` means the CPU, as
+            in ``torch.nn.DataParallel``.
+        dim: accepted for ``torch.nn.DataParallel``'s signature; only ``0`` is supported, because inputs are split
+            and outputs gathered along the batch dimension by a contract that knows rows (see
+            ``lightning_mgpu.engine.scatter``).
         sync_batchnorm: BatchNorm layers that normalise by batch statistics use the statistics of the whole batch,
             exchanged between the replicas, so they compute what one device computes (see
             ``lightning_mgpu.engine.batchnorm``); ``False`` normalises each chunk by its own statistics, as
             ``torch.nn.DataParallel`` does.
+        device_ids: ``torch.nn.DataParallel``'s name for ``devices``, so code written for it runs unchanged; pass
+            one of the two.
     """
 
-    def __init__(self, module: nn.Module, devices: Sequence[torch.device], sync_batchnorm: bool = True) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        devices: Sequence[DeviceLike] | None = None,
+        output_device: DeviceLike | None = None,
+        dim: int = 0,
+        *,
+        sync_batchnorm: bool = True,
+        device_ids: Sequence[DeviceLike] | None = None,
+    ) -> None:
         super().__init__()
-        if not devices:
-            raise ConfigurationError("DataParallel needs at least one device; pass devices=[torch.device('cpu')].")
+        if dim != 0:
+            raise ConfigurationError(
+                f"DataParallel splits inputs and gathers outputs along dim 0 only, but got dim={dim}. Make the batch"
+                " the first dimension of the module's inputs and outputs (batch_first=True for RNNs and transformer"
+                f" layers, or x.movedim({dim}, 0) around the module's own code), then drop dim=."
+            )
         self.module = module
-        self.devices = [torch.device(device) for device in devices]
+        self.devices = _resolve_devices(devices, device_ids)
+        self.output_device = self.root_device if output_device is None else _output_device(output_device)
+        if len(self.devices) == 1:
+            module.to(self.root_device)
         self._apply_in_threads = ParallelApply(len(self.devices))
         self._replicate = ReplicaCache()
         self.sync_batchnorm = sync_batchnorm
@@ -70,15 +100,42 @@ class DataParallel(nn.Module):
 
     @property
     def root_device(self) -> torch.device:
-        """The device that batches arrive on and outputs are gathered on."""
+        """The device that batches are split from and replica 0 runs on."""
         return self.devices[0]
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        """Split the first input along dim 0, run ``module.forward`` per chunk, gather the outputs."""
-        return self.gather(self.run("forward", inputs[0], inputs[1:], kwargs).outputs)
+        """Run ``module(*inputs, **kwargs)`` on every replica's rows and gather the outputs on ``output_device``.
+
+        The positional and keyword inputs are split as one batch (see ``lightning_mgpu.engine.scatter``), so every
+        tensor among them, however deep, must have the batch's row count. As in ``torch.nn.DataParallel``, a call
+        without inputs runs the module once, on the root device, and with a single device the module is called
+        directly on the inputs moved to it, its output returned as it is.
+        """
+        self._check_module_device()
+        if len(self.devices) == 1:
+            inputs, kwargs = move_to((inputs, kwargs), self.root_device)
+            return self.module(*inputs, **kwargs)
+        if not inputs and not kwargs:
+            alone = self._run_replicas(None, [((), {})], [0])
+            return self.gather(alone.outputs, None, "forward")
+        started = time.perf_counter()
+        try:
+            chunks, sizes = scatter(
+                {"inputs": Fields(inputs), "kwargs": kwargs}, self.devices, _layouts(self._batch_layouts, "forward")
+            )
+        except BatchSplitError as error:
+            error.add_note(
+                "lightning_mgpu: DataParallel splits the positional and keyword inputs of forward as one batch:"
+                " batch['inputs'][i] is positional input i, batch['kwargs'][name] the keyword argument name."
+            )
+            raise
+        self.phase_seconds["scatter"] += time.perf_counter() - started
+        calls = [(tuple(chunk["inputs"]), chunk["kwargs"]) for chunk in chunks]
+        replica_outputs = self._run_replicas(None, calls, sizes)
+        return self.gather(replica_outputs.outputs, replica_outputs.sizes, "forward")
 
     def gather(self, outputs: Sequence[Any], sizes: Sequence[int] | None = None, method: str = "forward") -> Any:
-        """Gather one output per replica on the root device (see ``lightning_mgpu.engine.gather``).
+        """Gather one output per replica on ``output_device`` (see ``lightning_mgpu.engine.gather``).
 
         Args:
             outputs: one output per replica, in batch order, as ``run`` returned them.
@@ -88,7 +145,7 @@ class DataParallel(nn.Module):
                 lists were gathered in earlier steps.
         """
         started = time.perf_counter()
-        gathered = gather(outputs, self.root_device, sizes, memory=_layouts(self._output_layouts, method))
+        gathered = gather(outputs, self.output_device, sizes, memory=_layouts(self._output_layouts, method))
         self.phase_seconds["gather"] += time.perf_counter() - started
         return gathered
 
@@ -119,26 +176,54 @@ class DataParallel(nn.Module):
         """
         started = time.perf_counter()
         chunks, sizes = scatter(batch, self.devices, _layouts(self._batch_layouts, method))
-        devices = self.devices[: len(chunks)]
-        scattered = time.perf_counter()
+        self.phase_seconds["scatter"] += time.perf_counter() - started
+        shared = kwargs or {}
+        calls = [((chunk, *args), shared) for chunk in chunks]
+        return self._run_replicas(method, calls, sizes, context, prepare_replica)
+
+    def _run_replicas(
+        self,
+        method: str | None,
+        calls: list[_Call],
+        sizes: list[int],
+        context: ContextFactory | None = None,
+        prepare_replica: PrepareReplica | None = None,
+    ) -> ReplicaOutputs:
+        """Replicate onto the first ``len(calls)`` devices and make call ``i`` on replica ``i``.
+
+        ``method=None`` calls the replica itself, so its forward hooks run once per replica, as in
+        ``torch.nn.DataParallel``.
+        """
+        started = time.perf_counter()
+        devices = self.devices[: len(calls)]
         replicas = self._replicate(self.module, devices)
         if prepare_replica is not None:
             for index, (replica, device) in enumerate(zip(replicas, devices, strict=True)):
                 prepare_replica(replica, index, len(replicas), device)
         rendezvous = self._synchronise_batchnorms(replicas)
-        extra_kwargs = kwargs or {}
-        calls = [
-            _bind(getattr(replica, method), chunk, args, extra_kwargs, index, rendezvous)
-            for index, (replica, chunk) in enumerate(zip(replicas, chunks, strict=True))
+        bound = [
+            _bind(replica if method is None else getattr(replica, method), args, kwargs, index, rendezvous)
+            for index, (replica, (args, kwargs)) in enumerate(zip(replicas, calls, strict=True))
         ]
         replicated = time.perf_counter()
-        outputs = self._apply_in_threads(calls, devices, context)
+        outputs = self._apply_in_threads(bound, devices, context)
         keep_reassigned_buffers(self.module, replicas[0])
-        applied = time.perf_counter()
-        self.phase_seconds["scatter"] += scattered - started
-        self.phase_seconds["replicate"] += replicated - scattered
-        self.phase_seconds["parallel_apply"] += applied - replicated
+        self.phase_seconds["replicate"] += replicated - started
+        self.phase_seconds["parallel_apply"] += time.perf_counter() - replicated
         return ReplicaOutputs(outputs, sizes, replicas)
+
+    def _check_module_device(self) -> None:
+        """Replica 0 works on the module's own tensors, so they must be on the root device, as torch requires."""
+        root = self.root_device
+        if all(_same_device(tensor.device, root) for tensor in chain(self.module.parameters(), self.module.buffers())):
+            return
+        for kind, named in (("parameter", self.module.named_parameters()), ("buffer", self.module.named_buffers())):
+            for name, tensor in named:
+                if not _same_device(tensor.device, root):
+                    raise ConfigurationError(
+                        f"DataParallel needs the module on its first device, {root}, but {kind} {name!r} is on"
+                        f" {tensor.device}. Move the module there before calling the wrapper: module.to({str(root)!r})."
+                    )
 
     def _synchronise_batchnorms(self, replicas: list[nn.Module]) -> ReplicaRendezvous | None:
         if not self.sync_batchnorm or len(replicas) < 2:
@@ -167,6 +252,49 @@ class DataParallel(nn.Module):
             return getattr(modules["module"], name)
 
 
+def _resolve_devices(
+    devices: Sequence[DeviceLike] | None, device_ids: Sequence[DeviceLike] | None
+) -> list[torch.device]:
+    if devices is not None and device_ids is not None:
+        raise ConfigurationError(
+            "DataParallel got both devices= and device_ids=, which are one argument (device_ids is"
+            " torch.nn.DataParallel's name for it); pass only one."
+        )
+    chosen = devices if devices is not None else device_ids
+    if chosen is None:
+        count = torch.cuda.device_count()
+        return [torch.device("cuda", index) for index in range(count)] if count else [torch.device("cpu")]
+    if not chosen:
+        raise ConfigurationError("DataParallel needs at least one device; pass devices=[torch.device('cpu')].")
+    return [_device(entry, chosen) for entry in chosen]
+
+
+def _device(entry: DeviceLike, devices: Sequence[DeviceLike]) -> torch.device:
+    if not isinstance(entry, int):
+        return torch.device(entry)
+    try:
+        return torch.device(entry)
+    except RuntimeError as error:  # no accelerator to index into
+        raise ConfigurationError(
+            f"DataParallel got devices {list(devices)!r}, and {entry!r} names an accelerator device by index, but"
+            f" torch sees no accelerator ({error}). To run virtual replicas on the CPU, pass"
+            f" devices=[torch.device('cpu')] * {len(devices)}."
+        ) from error
+
+
+def _output_device(output_device: DeviceLike) -> torch.device:
+    if isinstance(output_device, int) and output_device == -1:
+        return torch.device("cpu")
+    return _device(output_device, [output_device])
+
+
+def _same_device(actual: torch.device, expected: torch.device) -> bool:
+    """``cuda`` without an index names the current CUDA device, which is the one tensors created there carry."""
+    if actual.type != expected.type:
+        return False
+    return actual.index is None or expected.index is None or actual.index == expected.index
+
+
 def _layouts(memories: dict[str, LayoutMemory], method: str) -> LayoutMemory:
     memory = memories.get(method)
     if memory is None:
@@ -176,8 +304,7 @@ def _layouts(memories: dict[str, LayoutMemory], method: str) -> LayoutMemory:
 
 def _bind(
     function: Callable[..., Any],
-    chunk: Any,
-    args: Sequence[Any],
+    args: tuple[Any, ...],
     kwargs: dict[str, Any],
     index: int,
     rendezvous: ReplicaRendezvous | None,
@@ -185,13 +312,13 @@ def _bind(
     if rendezvous is None:
 
         def call() -> Any:
-            return function(chunk, *args, **kwargs)
+            return function(*args, **kwargs)
 
         return call
 
     def call_in_rendezvous() -> Any:
         try:
-            result = function(chunk, *args, **kwargs)
+            result = function(*args, **kwargs)
         except BaseException as error:
             rendezvous.abort(error)
             raise

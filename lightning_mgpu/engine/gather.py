@@ -158,18 +158,11 @@ def _one_item_per_row(outputs: Sequence[Any], sizes: list[int], memory: LayoutMe
         if _MARKED in fits:
             per_row = False
         elif _CONFLICT in fits or _ROWS not in fits:
-            per_row = True
-        elif len(outputs) == 1:
-            return False  # a lone replica has no rows to interleave; keep the item-by-item reading
+            per_row = True  # items that cannot be gathered one by one, or values such as ids: one per row
         else:
-            raise GatherError(
-                f"{path} is a {type(outputs[0]).__name__} with one item per row of each replica's chunk ({lengths}"
-                " items for chunks of as many rows), and its items merge either way, so mgpu_dp cannot tell"
-                " whether to concatenate the lists (one item per row) or gather them item by item (values of their"
-                " own), and no earlier step told. Return lightning_mgpu.PerSample(...) from the step to"
-                " concatenate one item per row, or lightning_mgpu.Fields(...) (or a dict or namedtuple) to gather"
-                " item by item."
-            )
+            # Tensors with the chunk's rows (``logits, features`` or an LSTM's ``out, (h, c)``) are gathered item by
+            # item, as torch.nn.DataParallel gathers them; one tensor per sample is returned as a PerSample.
+            per_row = False
     if memory is not None:
         memory.remember(path, per_row)
     return per_row
