@@ -28,7 +28,7 @@ class Row:
         what: what was measured, in words (``mgpu_ddp / ddp samples/s``).
         unit: ``ratio``, ``share`` (of the step time), ``ms`` or ``us`` (per step).
         values: one value per repeat.
-        target: the issue's target in words (``>= 0.97``), or empty.
+        target: the target in words (``>= 0.97``), or empty.
         check: whether a median meets the target; ``None`` when there is no target.
     """
 

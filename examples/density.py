@@ -360,7 +360,7 @@ def main(args: Sequence[str] | None = None) -> int:
     """``python examples/density.py [fit|validate|test|predict] [LightningCLI options]``; ``args`` replace argv.
 
     No arguments run ``fit --config configs/quickstart.yaml``. The model and data are given by class path before the
-    user's arguments, so a config's own ``class_path`` still wins.
+    other arguments, so a config's own ``class_path`` still wins.
     """
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))  # so examples.density resolves whatever the current directory

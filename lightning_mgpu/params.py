@@ -1,4 +1,4 @@
-"""Trap 4 of the user's notes: parameters in a list did not reach the replicas; register each one instead."""
+"""Parameters kept in a plain list are not replicated (or trained, saved, moved): register each one instead."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from lightning_mgpu.errors import ConfigurationError
 def register_parameters(module: nn.Module, prefix: str, params: Iterable[torch.Tensor]) -> list[str]:
     """Register each tensor of ``params`` on ``module`` as ``f"{prefix}_{i}"`` and return the names.
 
-    The user's pattern (``self.register_parameter('H_{}'.format(k), H_k)``) in one call: each parameter is an
+    The ``self.register_parameter('H_{}'.format(k), H_k)`` pattern in one call: each parameter is an
     attribute of the module, so it is trained, saved, moved and replicated like any other. Tensors that are not yet
     parameters are wrapped in ``nn.Parameter``.
     """

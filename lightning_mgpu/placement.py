@@ -1,4 +1,4 @@
-"""Trap 1 of the user's notes: create and move intermediate tensors on the device of the data they go with."""
+"""Create and move intermediate tensors on the device of the data they go with, which differs per replica."""
 
 from __future__ import annotations
 

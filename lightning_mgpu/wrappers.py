@@ -1,4 +1,4 @@
-"""Trap 2 of the user's notes: wrappers hide the model; ``unwrap`` finds it again."""
+"""Wrappers (DataParallel, DDP, torch.compile) hide the model's own attributes; ``unwrap`` finds the model again."""
 
 from __future__ import annotations
 
