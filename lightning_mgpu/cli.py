@@ -14,12 +14,19 @@ from typing import Any
 
 from lightning_mgpu.doctor import TARGETS, DoctorError, format_report, run_doctor
 from lightning_mgpu.doctor.command import EXIT_FOUND_ERRORS, EXIT_OK, EXIT_USAGE, PROG
+from lightning_mgpu.launch import parse_local_rank
 
 Command = Callable[[list[str]], int]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``lightning-mgpu <command> ...`` and return its exit code; ``argv`` replaces ``sys.argv[1:]``."""
+    """Run ``lightning-mgpu <command> ...`` and return its exit code; ``argv`` replaces ``sys.argv[1:]``.
+
+    Started by ``python -m torch.distributed.launch``, the process gets ``--local-rank=N`` before the command; it is
+    taken out of ``sys.argv`` first, so that neither the dispatch here nor LightningCLI sees it.
+    """
+    if argv is None:
+        parse_local_rank()
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in ("-h", "--help"):
         print(_help())

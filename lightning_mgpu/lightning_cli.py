@@ -1,59 +1,171 @@
 """``lightning-mgpu fit|validate|test|predict``: LightningCLI with the strategies registered and a run folder.
 
-On top of LightningCLI: the ``mgpu_*`` names are registered before any Trainer exists; a strategy name that nothing
-is registered under ends the command with one line naming the closest registered names; a strategy given on the
-command line as a class path (``--trainer.strategy lightning_mgpu.DDPStrategy``) is instantiated, where plain
-LightningCLI passes the string on and the Trainer rejects it (Lightning issue #19682); each run writes CSV logs
-(and TensorBoard logs when tensorboard is installed), checkpoints and its config under one folder
-(``<default_root_dir>/version_<n>``); and each command ends with a short summary of metrics and files.
+On top of LightningCLI: the ``mgpu_*`` names are registered before any Trainer exists; a configuration that cannot
+start (a strategy name that nothing is registered under, GPUs this machine does not have, a class path that does not
+import) ends the command with one line naming the cause and the fix, where LightningCLI prints its usage or a
+traceback; a strategy given on the command line as a class path (``--trainer.strategy lightning_mgpu.DDPStrategy``)
+is instantiated, where plain LightningCLI passes the string on and the Trainer rejects it (Lightning issue #19682);
+each run writes CSV logs (and TensorBoard logs when tensorboard is installed), checkpoints and its config under one
+folder (``<default_root_dir>/version_<n>``), which a command that fails before writing anything else leaves behind no
+longer; and each command ends with a short summary of metrics and files.
 """
 
 from __future__ import annotations
 
+import glob
 import importlib
 import os
+import re
 import sys
 import time
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import lightning.pytorch as pl
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch import loggers as pl_loggers
+from lightning.pytorch.callbacks import BasePredictionWriter
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
 import lightning_mgpu  # noqa: F401 - registers mgpu_dp and mgpu_ddp before the Trainer is built
+from lightning_mgpu.checks import check_gpus_exist
 from lightning_mgpu.doctor.command import EXIT_USAGE, PROG
 from lightning_mgpu.errors import ConfigurationError
 from lightning_mgpu.registry import close_names
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
+PREDICTIONS_FILE = "predictions.csv"
+"""What the examples' prediction writers call their file in the run folder; the summary lists it after ``predict``."""
+
+_HELP_EPILOG = (
+    "The model's and the datamodule's own arguments are not listed above: --model.help CLASS and --data.help CLASS"
+    " list them (for example --model.help examples.density.DensityModel), and --model.init_args.NAME VALUE sets one"
+    " (--model.init_args.lr 0.01)."
+)
 
 
-class StrategyNameError(ConfigurationError):
-    """``trainer.strategy`` is a name no strategy is registered under; the command ends with the message alone."""
+class CommandError(ConfigurationError):
+    """A configuration the command refuses before training starts; ``run`` prints the message alone and returns 2."""
+
+
+class StrategyNameError(CommandError):
+    """``trainer.strategy`` is a name no strategy is registered under."""
+
+
+class ClassPathError(CommandError):
+    """A class path of the config or the command line does not import.
+
+    Args:
+        message: what failed and how to fix it.
+        missing_package: the top-level package that is not importable from here, when that is the cause; ``run``
+            then looks for the folder that holds it next to the config files.
+    """
+
+    def __init__(self, message: str, missing_package: str | None = None) -> None:
+        super().__init__(message)
+        self.missing_package = missing_package
+
+
+class MGPUArgumentParser(LightningArgumentParser):
+    """LightningCLI's parser, which ends with one line, not the usage, when a class path does not import.
+
+    Attributes:
+        working_directory: where the command was started; jsonargparse changes into a config file's folder while
+            it reads the file.
+    """
+
+    working_directory: str | None = None
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        """Raise ``ClassPathError`` for a class path that does not import; anything else is jsonargparse's.
+
+        jsonargparse reports it inside a union's alternatives after some 50 lines of usage; the import is repeated
+        here to tell a missing package from a misspelt class and from an error inside the module.
+        """
+        if self.exit_on_error:  # else jsonargparse raises, and whoever parses deals with it
+            problem = _class_path_problem(message, self.working_directory or os.getcwd())
+            if problem is not None:
+                raise problem
+        super().error(message, ex)
+
+
+class RunFolderConfig(SaveConfigCallback):
+    """Saves the config as LightningCLI does, and says next to ``logger: null`` which loggers the run had.
+
+    The value stays ``null``: rerunning the saved file then gives a new run folder under whatever
+    ``--trainer.default_root_dir`` says, where the loggers spelt out would pin the old folder.
+    """
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Save the config (every rank takes part), then annotate it on global rank 0."""
+        first = not self.already_saved
+        super().setup(trainer, pl_module, stage)
+        if not (first and self.save_to_log_dir and trainer.loggers):
+            return
+        log_dir = trainer.log_dir  # a collective under DDP: every rank asks
+        if trainer.is_global_zero and log_dir and self.config.get("trainer.logger") in (None, True):
+            _note_loggers(os.path.join(log_dir, self.config_filename), trainer.loggers)
 
 
 class MGPULightningCLI(LightningCLI):
-    """LightningCLI whose model and data are given by class path (``--model``/``--data`` or a config file)."""
+    """LightningCLI whose model and data are given by class path (``--model``/``--data`` or a config file).
 
-    def __init__(self, args: list[str] | None = None, **kwargs: Any) -> None:
+    Args:
+        args: the command line after the program's name, as for LightningCLI.
+        prog: the program's name in usage lines and help.
+        **kwargs: passed to LightningCLI.
+    """
+
+    def __init__(self, args: list[str] | None = None, prog: str = PROG, **kwargs: Any) -> None:
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        kwargs.setdefault("save_config_callback", RunFolderConfig)
+        kwargs.setdefault("parser_class", MGPUArgumentParser)
+        kwargs.setdefault("parser_kwargs", {"prog": prog, **{name: {"epilog": _HELP_EPILOG} for name in SUBCOMMANDS}})
         self._started = time.monotonic()
-        super().__init__(args=args, **kwargs)
+        self._started_at = time.time()
+        self._new_run_folder: str | None = None
+        self._working_directory = os.getcwd()
+        try:
+            super().__init__(args=args, **kwargs)
+        except BaseException:
+            self._remove_stub_run_folder()
+            raise
+
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        """LightningCLI's parser, told where the command started (see ``MGPUArgumentParser``)."""
+        parser = super().init_parser(**kwargs)
+        if isinstance(parser, MGPUArgumentParser):
+            parser.working_directory = self._working_directory
+        return parser
 
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
-        """Build the Trainer, with class-path strategies instantiated and the run folder's loggers as default."""
+        """Build the Trainer, with class-path strategies instantiated and the run folder's loggers as default.
+
+        Raises:
+            CommandError: the trainer configuration cannot work here (an unknown strategy name, GPUs that do not
+                exist, or any ``ConfigurationError`` of the strategy while the Trainer is built).
+        """
         trainer_config = self._get(self.config_init, "trainer", default={})
-        strategy = trainer_config.get("strategy")
-        if isinstance(strategy, str) and "." in strategy:
-            kwargs["strategy"] = _strategy_from_class_path(strategy)
-        elif isinstance(strategy, str):
-            _check_strategy_name(strategy)
-        if trainer_config.get("logger") in (None, True):
-            kwargs["logger"] = _run_loggers(trainer_config.get("default_root_dir") or os.getcwd())
-        return super().instantiate_trainer(**kwargs)
+        try:
+            check_gpus_exist(trainer_config.get("accelerator"), trainer_config.get("devices"))
+            strategy = trainer_config.get("strategy")
+            if isinstance(strategy, str) and "." in strategy:
+                kwargs["strategy"] = _strategy_from_class_path(strategy)
+            elif isinstance(strategy, str):
+                _check_strategy_name(strategy)
+            if trainer_config.get("logger") in (None, True):
+                loggers = _run_loggers(trainer_config.get("default_root_dir") or os.getcwd())
+                kwargs["logger"] = loggers
+                folder = loggers[0].log_dir
+                if folder and not os.path.exists(folder):
+                    self._new_run_folder = folder
+            return super().instantiate_trainer(**kwargs)
+        except CommandError:
+            raise
+        except ConfigurationError as error:
+            raise CommandError(str(error)) from None
 
     def after_fit(self) -> None:
         """Say what the run reached and where its files are."""
@@ -74,34 +186,84 @@ class MGPULightningCLI(LightningCLI):
     def _summarise(self, subcommand: str) -> None:
         log_dir = self.trainer.log_dir  # a collective under DDP: every rank must ask
         if self.trainer.is_global_zero:
-            print(summary(self.trainer, subcommand, time.monotonic() - self._started, log_dir), flush=True)
+            seconds = time.monotonic() - self._started
+            print(summary(self.trainer, subcommand, seconds, log_dir, since=self._started_at), flush=True)
+
+    def _remove_stub_run_folder(self) -> None:
+        """Remove the run folder this command created when it holds its config alone: the command failed early."""
+        trainer = getattr(self, "trainer", None)
+        folder = self._new_run_folder
+        if trainer is None or folder is None or not trainer.is_global_zero:
+            return
+        config = os.path.join(folder, "config.yaml")
+        if os.path.isdir(folder) and os.listdir(folder) == ["config.yaml"]:
+            os.remove(config)
+            os.rmdir(folder)
 
 
-def summary(trainer: pl.Trainer, subcommand: str, seconds: float, log_dir: str | None) -> str:
-    """A few lines: the final metrics, the run folder and its files, the checkpoint to use next."""
-    lines = [f"lightning-mgpu {subcommand}: done in {seconds:.1f} s ({trainer.global_step} training steps)"]
+def summary(
+    trainer: pl.Trainer, subcommand: str, seconds: float, log_dir: str | None, since: float | None = None
+) -> str:
+    """A few lines: the final metrics, the run folder and its files, the checkpoint used or to use next.
+
+    Args:
+        trainer: the Trainer after the command.
+        subcommand: ``fit``, ``validate``, ``test`` or ``predict``.
+        seconds: how long the command took.
+        log_dir: the run folder.
+        since: when the command started (``time.time()``); images in the run folder written since are listed.
+    """
+    if subcommand == "fit":
+        what = f"{trainer.global_step} training steps"
+    elif trainer.ckpt_path:
+        what = f"checkpoint {trainer.ckpt_path}"
+    else:
+        what = "the model's initial weights: no --ckpt_path given"
+    lines = [f"{PROG} {subcommand}: done in {seconds:.1f} s ({what})"]
     metrics = {key: float(value) for key, value in trainer.callback_metrics.items() if value.numel() == 1}
     if metrics:
-        lines.append("  final metrics: " + ", ".join(f"{key}={value:.4g}" for key, value in sorted(metrics.items())))
+        lines.append(_entry("final metrics", ", ".join(f"{key}={value:.4g}" for key, value in sorted(metrics.items()))))
+    files: list[str] = []
     if log_dir:
-        lines.append(f"  run folder:    {log_dir}")
-        config = os.path.join(log_dir, "config.yaml")
-        if os.path.exists(config):
-            lines.append(f"  config.yaml:   {config}")
-    for logger in trainer.loggers:
-        if isinstance(logger, CSVLogger):
-            lines.append(f"  metrics.csv:   {os.path.join(logger.log_dir, 'metrics.csv')}")
+        lines.append(_entry("run folder", log_dir))
+        files.append(os.path.join(log_dir, "config.yaml"))
+    files += [
+        os.path.join(logger.log_dir, "metrics.csv") for logger in trainer.loggers if isinstance(logger, CSVLogger)
+    ]
+    if subcommand == "predict":
+        files += _prediction_files(trainer, log_dir)
+    if log_dir and since is not None:
+        images = sorted(glob.glob(os.path.join(glob.escape(log_dir), "*.png")))
+        files += [image for image in images if os.path.getmtime(image) >= since - 1]
+    for path in dict.fromkeys(files):
+        if os.path.isfile(path):
+            lines.append(_entry(os.path.basename(path), path))
     callback = trainer.checkpoint_callback
     best = getattr(callback, "best_model_path", "") if callback is not None else ""
     if subcommand == "fit" and best:
-        lines.append(f"  checkpoint:    {best}")
+        lines.append(_entry("checkpoint", best))
     return "\n".join(lines)
+
+
+def _entry(label: str, value: str) -> str:
+    return f"  {label + ':':<14} {value}"
+
+
+def _prediction_files(trainer: pl.Trainer, log_dir: str | None) -> list[str]:
+    """Where the prediction writers wrote: their ``path`` attribute, else ``predictions.csv`` in the run folder."""
+    paths = [
+        os.fspath(path)
+        for callback in trainer.callbacks  # type: ignore[attr-defined]
+        if isinstance(callback, BasePredictionWriter)
+        and isinstance(path := getattr(callback, "path", None), (str, os.PathLike))
+    ]
+    return paths or ([os.path.join(log_dir, PREDICTIONS_FILE)] if log_dir else [])
 
 
 def run(subcommand: str, args: list[str], prog: str = PROG) -> int:
     """Run one LightningCLI subcommand; the current directory is importable, as with ``python -m``.
 
-    Returns 0, or ``EXIT_USAGE`` after one line on stderr when the strategy name is unknown.
+    Returns 0, or ``EXIT_USAGE`` after one line on stderr when the configuration cannot start (``CommandError``).
     """
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # so config class paths like examples.density.DensityModel resolve
@@ -109,9 +271,9 @@ def run(subcommand: str, args: list[str], prog: str = PROG) -> int:
         # LightningCLI warns when ``args`` is given while sys.argv holds arguments: here they are the same ones.
         warnings.filterwarnings("ignore", message=".*args.* parameter is intended to run from within Python.*")
         try:
-            MGPULightningCLI(args=[subcommand, *args])
-        except StrategyNameError as error:
-            print(f"{prog} {subcommand}: {error}", file=sys.stderr)
+            MGPULightningCLI(args=[subcommand, *args], prog=prog)
+        except CommandError as error:
+            print(f"{prog} {subcommand}: {error}{_where_it_is(error, args)}", file=sys.stderr)
             return EXIT_USAGE
     return 0
 
@@ -148,12 +310,12 @@ def _strategy_from_class_path(class_path: str) -> Strategy:
     try:
         strategy_class = getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError) as error:
-        raise ValueError(
-            f"--trainer.strategy {class_path!r} is neither a registered strategy name nor an importable class"
+        raise ClassPathError(
+            f"trainer.strategy {class_path!r} is neither a registered strategy name nor an importable class"
             f" ({error}). Use a name such as mgpu_ddp, or a class path such as lightning_mgpu.DDPStrategy."
         ) from None
     if not (isinstance(strategy_class, type) and issubclass(strategy_class, Strategy)):
-        raise ValueError(f"--trainer.strategy {class_path!r} is not a Strategy subclass.")
+        raise ClassPathError(f"trainer.strategy {class_path!r} is not a Strategy subclass.")
     return strategy_class()
 
 
@@ -166,3 +328,83 @@ def _run_loggers(root: str) -> list[Logger]:
         return loggers
     loggers.append(TensorBoardLogger(save_dir=root, name="", version=csv.version, default_hp_metric=False))
     return loggers
+
+
+def _note_loggers(config_path: str, loggers: Sequence[Logger]) -> None:
+    """Say after ``logger: null`` (or ``true``) in the trainer section of the saved config which loggers ran."""
+    names = [
+        f"lightning.pytorch.loggers.{type(logger).__name__}"
+        if getattr(pl_loggers, type(logger).__name__, None) is type(logger)
+        else f"{type(logger).__module__}.{type(logger).__qualname__}"
+        for logger in loggers
+    ]
+    note = f"  # lightning-mgpu's default: {' and '.join(names)}, writing into this folder"
+    with open(config_path) as file:
+        lines = file.read().split("\n")
+    section = None
+    for index, line in enumerate(lines):
+        if line and not line[0].isspace():
+            section = line.split(":", 1)[0]
+        elif section == "trainer" and re.fullmatch(r"  logger: (null|true)", line):
+            lines[index] = line + note
+            break
+    with open(config_path, "w") as file:
+        file.write("\n".join(lines))
+
+
+def _class_path_problem(message: str, working_directory: str) -> ClassPathError | None:
+    """The first class path named in a jsonargparse error that does not import, as a ``ClassPathError``."""
+    key = re.search(r'Parser key "([^"]+)"', message)
+    where = f"{key.group(1)}: class path" if key else "class path"
+    for class_path in dict.fromkeys(re.findall(r"class_path '([\w.]+)'", message)):
+        module_name, _, class_name = class_path.rpartition(".")
+        if not module_name:
+            continue
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as error:
+            missing = error.name or ""
+            if module_name == missing or module_name.startswith(missing + "."):
+                package = missing.partition(".")[0]
+                if missing == package:
+                    root = " (the repository root)" if package == "examples" else ""
+                    return ClassPathError(
+                        f"{where} {class_path!r} does not import: there is no package {package!r} in the current"
+                        f" directory ({working_directory}) or on PYTHONPATH. Run the command from the folder that"
+                        f" holds {package}/{root}, or put that folder on PYTHONPATH.",
+                        missing_package=package,
+                    )
+                return ClassPathError(f"{where} {class_path!r} does not import: there is no module {missing!r}.")
+            return ClassPathError(
+                f"{where} {class_path!r} does not import: importing {module_name} needs {missing!r}, which is not"
+                f" installed ({error})."
+            )
+        except Exception as error:
+            return ClassPathError(
+                f"{where} {class_path!r} does not import: importing {module_name} raised {type(error).__name__}:"
+                f" {error}"
+            )
+        if not hasattr(module, class_name):
+            return ClassPathError(
+                f"{where} {class_path!r} does not import: module {module_name} has no {class_name!r}; check the name."
+            )
+    return None
+
+
+def _where_it_is(error: CommandError, args: Sequence[str]) -> str:
+    """For a missing package: the folder that holds it, found next to a config file given in ``args``."""
+    package = getattr(error, "missing_package", None)
+    if not package:
+        return ""
+    configs = [value for flag, value in zip(args, args[1:], strict=False) if flag in ("-c", "--config")]
+    configs += [arg.split("=", 1)[1] for arg in args if arg.startswith("--config=")]
+    for config in configs:
+        folder = os.path.dirname(os.path.abspath(config))
+        while True:
+            if os.path.isdir(os.path.join(folder, package)) or os.path.isfile(os.path.join(folder, f"{package}.py")):
+                return f" Here that is {folder}: cd {folder}, or PYTHONPATH={folder}."
+            parent = os.path.dirname(folder)
+            if parent == folder:
+                break
+            folder = parent
+    return ""

@@ -1,8 +1,9 @@
-"""``lightning-mgpu fit|validate``, ``python examples/*.py`` and the README's snippet, driven as a user drives them.
+"""``lightning-mgpu fit|validate|test|predict``, ``python examples/*.py`` and the README's snippet, driven as a user.
 
 Every file in ``configs/`` runs here. ``mgpu_dp`` runs go through ``lightning_mgpu.cli.main`` in this process; every
 run that starts its own processes (``mgpu_ddp`` with 2 devices re-runs the command line, the example scripts, the
-README) is a real subprocess. Those are started together when this module's tests begin (only the ones the selected
+README, the legacy launcher) or whose output must be seen as a terminal shows it (stdout and stderr interleaved) is
+a real subprocess. Those are started together when this module's tests begin (only the ones the selected
 tests need), so they run alongside the in-process tests, and each test then waits for its own, with a timeout.
 """
 
@@ -46,7 +47,8 @@ class Summary:
     """The closing summary of a ``lightning-mgpu`` command, parsed."""
 
     subcommand: str
-    steps: int
+    steps: int | None  # fit
+    checkpoint_used: Path | None  # validate, test, predict with --ckpt_path
     metrics: dict[str, float]
     files: dict[str, Path]
 
@@ -59,8 +61,11 @@ def readable(output: str, limit: int = 4000) -> str:
 
 def parse_summary(output: str) -> Summary:
     start = output.rfind("lightning-mgpu ")
-    match = re.match(r"lightning-mgpu (\w+): done in [\d.]+ s \((\d+) training steps\)", output[start:])
+    match = re.match(r"lightning-mgpu (\w+): done in [\d.]+ s \((.+)\)$", output[start:], flags=re.MULTILINE)
     assert match, f"no closing summary in the output:\n{readable(output)}"
+    what = match.group(2)
+    steps = re.fullmatch(r"(\d+) training steps", what)
+    checkpoint = re.fullmatch(r"checkpoint (.+)", what)
     metrics: dict[str, float] = {}
     files: dict[str, Path] = {}
     for line in output[start:].splitlines()[1:]:
@@ -72,7 +77,13 @@ def parse_summary(output: str) -> Summary:
             metrics = {name: float(number) for name, number in re.findall(r"(\w+)=([-+\w.]+)", value)}
         else:
             files[key] = Path(value)
-    return Summary(match.group(1), int(match.group(2)), metrics, files)
+    return Summary(
+        match.group(1),
+        int(steps.group(1)) if steps else None,
+        Path(checkpoint.group(1)) if checkpoint else None,
+        metrics,
+        files,
+    )
 
 
 def read_metrics(run_folder: Path) -> list[dict[str, str]]:
@@ -113,6 +124,18 @@ LAUNCHES: dict[str, tuple[list[str], str]] = {
         "elsewhere",
     ),
     "README usage": (["readme_usage.py"], "elsewhere"),
+    # the legacy launcher puts --local-rank=N before the command's own arguments
+    "torch.distributed.launch": (
+        ["-m", "torch.distributed.launch", "--nproc_per_node", "2", "--master_port", "{port}"]
+        + ["-m", "lightning_mgpu", "fit", "--config", "configs/ddp_cpu.yaml", *SMALL_DENSITY],
+        "root",
+    ),
+    # 2001 samples in batches of 500: the last batch has 1 row for 2 replicas, under a real progress bar
+    "idle devices": (
+        ["-m", "lightning_mgpu", "fit", "--config", "configs/quickstart.yaml", "--trainer.max_epochs", "1"]
+        + ["--data.init_args.num_samples", "2001", "--data.init_args.num_val_samples", "500"],
+        "root",
+    ),
 }
 DDP_STEPS = {
     "ddp_cpu.yaml": 4,
@@ -194,7 +217,7 @@ def launches(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
                 + "\nprint('train_mse', float(trainer.callback_metrics['train_mse']))\n"
             )
         else:
-            args = [*args, "--trainer.default_root_dir", str(root)]
+            args = [arg.replace("{port}", str(port)) for arg in args] + ["--trainer.default_root_dir", str(root)]
         log = folder / "output.log"
         with open(log, "wb") as output:
             process = subprocess.Popen(
@@ -261,6 +284,7 @@ def test_ddp_gpu_config_gives_the_strategy_by_class_path(capsys: pytest.CaptureF
     assert trainer["strategy"]["init_args"]["broadcast_buffers"] is False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launch", list(DDP_STEPS))
 def test_mgpu_ddp_runs_two_processes(launch: str, launches: dict[str, Launch]) -> None:
     code, output = launches[launch].result()
@@ -310,12 +334,123 @@ def test_strategy_by_name_or_class_path_trains_alike(tmp_path: Path, capsys: pyt
             torch.testing.assert_close(other_params[name], value, rtol=0, atol=1e-7)
 
 
-def test_a_strategy_class_path_that_does_not_import_is_named() -> None:
-    with pytest.raises(ValueError, match=r"'lightning_mgpu\.NoSuchStrategy' is neither a registered strategy name"):
-        main(["fit", "--config", str(QUICKSTART), "--trainer.strategy", "lightning_mgpu.NoSuchStrategy"])
+def test_a_strategy_class_path_that_does_not_import_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["fit", "--config", str(QUICKSTART), "--trainer.strategy", "lightning_mgpu.NoSuchStrategy"]) == 2
+    assert re.fullmatch(
+        r"lightning-mgpu fit: trainer.strategy 'lightning_mgpu\.NoSuchStrategy' is neither a registered strategy"
+        r" name nor an importable class .*lightning_mgpu\.DDPStrategy\.\n",
+        capsys.readouterr().err,
+    )
 
 
-def test_run_folder_holds_metrics_checkpoint_and_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without GPUs")
+def test_a_gpu_config_without_gpus_ends_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["fit", "--config", str(CONFIGS / "dp_gpu.yaml"), "--trainer.default_root_dir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (
+        "lightning-mgpu fit: trainer.accelerator 'gpu' with trainer.devices -1 asks for every GPU (at least 1), but"
+        " this machine has 0 CUDA device(s). Run on the CPU with --trainer.accelerator cpu (with --trainer.devices 2"
+        " for 2 virtual replicas or processes), or use a CPU config such as configs/quickstart.yaml.\n"
+    )
+    assert not list(tmp_path.iterdir())
+
+
+def test_more_gpus_than_the_machine_has_ends_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    args = ["fit", "--config", str(CONFIGS / "ddp_gpu.yaml"), "--trainer.default_root_dir", str(tmp_path)]
+    assert main([*args, "--trainer.devices", "[0, 1]"]) == 2
+    assert re.fullmatch(
+        r"lightning-mgpu fit: trainer.accelerator 'gpu' with trainer.devices \[0, 1\] asks for 2 GPU\(s\), with"
+        r" indices \[0, 1\], but this machine has 1 CUDA device\(s\)\. Run on the CPU with --trainer.accelerator"
+        r" cpu .* configs/quickstart\.yaml\. Or ask for at most --trainer\.devices 1\.\n",
+        capsys.readouterr().err,
+    )
+
+
+def test_a_class_path_that_does_not_import_outside_the_repository_root_ends_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)  # where `examples` is not, as for a user who left the repository root
+    monkeypatch.setattr(sys, "path", [path for path in sys.path if Path(path or ".").resolve() != ROOT])
+    for name in [name for name in sys.modules if name == "examples" or name.startswith("examples.")]:
+        monkeypatch.delitem(sys.modules, name)
+
+    assert main(["fit", "--config", str(QUICKSTART)]) == 2
+
+    assert capsys.readouterr().err == (
+        "lightning-mgpu fit: model: class path 'examples.density.DensityModel' does not import: there is no package"
+        f" 'examples' in the current directory ({tmp_path}) or on PYTHONPATH. Run the command from the folder that"
+        " holds examples/ (the repository root), or put that folder on PYTHONPATH."
+        f" Here that is {ROOT}: cd {ROOT}, or PYTHONPATH={ROOT}.\n"
+    )
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_misspelt_class_is_named_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["fit", "--config", str(QUICKSTART), "--model.class_path", "examples.density.DensityModle"]) == 2
+    assert capsys.readouterr().err == (
+        "lightning-mgpu fit: model: class path 'examples.density.DensityModle' does not import: module"
+        " examples.density has no 'DensityModle'; check the name.\n"
+    )
+
+
+def test_fit_help_says_where_the_model_arguments_are(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "--help"])
+    assert exit_.value.code == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert help_text.startswith("usage: lightning-mgpu [options] fit ")
+    assert "--model.help CLASS and --data.help CLASS list them" in help_text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launch", ["torch.distributed.launch"])
+def test_the_legacy_launcher_runs_the_command_in_two_processes(launch: str, launches: dict[str, Launch]) -> None:
+    code, output = launches[launch].result()
+
+    assert code == 0, readable(output)
+    summary = parse_summary(output)  # printed by rank 0 alone
+    assert output.count("lightning-mgpu fit: done") == 1
+    assert summary.steps == DDP_STEPS["ddp_cpu.yaml"]  # each of the 2 ranks trains on half of the samples
+    assert summary.files["run folder"].parent == launches[launch].root
+    assert summary.files["checkpoint"].is_file()
+
+
+def terminal(output: bytes) -> list[str]:
+    """The lines a terminal shows for ``output``: a carriage return goes back to the start of the line."""
+    lines, row, column = [""], 0, 0
+    for token in re.findall(r"\x1b\[\d*[A-Za-z]|\r|\n|[^\x1b\r\n]+", output.decode("utf-8", "replace")):
+        if token == "\r":
+            column = 0
+        elif token == "\n":
+            row, column = row + 1, 0
+            lines += [""] * (row + 1 - len(lines))
+        elif token.startswith("\x1b["):
+            if token.endswith("A"):  # cursor up, as tqdm moves between bars
+                row = max(0, row - int(token[2:-1] or 1))
+        else:
+            line = lines[row].ljust(column)
+            lines[row] = line[:column] + token + line[column + len(token) :]
+            column += len(token)
+    return [line.rstrip() for line in lines]
+
+
+@pytest.mark.parametrize("launch", ["idle devices"])
+def test_the_idle_devices_warning_gets_a_line_of_its_own(launch: str, launches: dict[str, Launch]) -> None:
+    code, _ = launches[launch].result()
+    screen = terminal(launches[launch].log.read_bytes())
+
+    assert code == 0, "\n".join(screen[-40:])
+    (warning,) = [line for line in screen if "sat idle" in line]
+    assert re.match(r"\S+\.py:\d+: (UserWarning: )?mgpu_dp: a batch of 1 row\(s\) was split across 1 of 2", warning)
+    assert [line for line in screen if line.startswith("Epoch 0: 100%")]  # the bar, redrawn below the warning
+
+
+def test_run_folder_holds_metrics_checkpoint_config_and_plot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     quick = [
         "--config",
         str(QUICKSTART),
@@ -335,6 +470,7 @@ def test_run_folder_holds_metrics_checkpoint_and_config(tmp_path: Path, capsys: 
         "run folder": run_folder,
         "config.yaml": run_folder / "config.yaml",
         "metrics.csv": run_folder / "metrics.csv",
+        "density.png": run_folder / "density.png",  # the example's plot callback
         "checkpoint": run_folder / "checkpoints" / "epoch=0-step=3.ckpt",
     }
     rows = read_metrics(run_folder)
@@ -344,6 +480,14 @@ def test_run_folder_holds_metrics_checkpoint_and_config(tmp_path: Path, capsys: 
     config = yaml.safe_load((run_folder / "config.yaml").read_text())
     assert config["trainer"]["max_steps"] == 3
     assert config["model"]["class_path"] == "examples.density.DensityModel"
+    # logger: null reruns as this run did (a new run folder); the comment says which loggers that gave.
+    assert config["trainer"]["logger"] is None
+    assert re.search(
+        r"^  logger: null  # lightning-mgpu's default: lightning\.pytorch\.loggers\.CSVLogger( and \S+)?, writing into"
+        r" this folder$",
+        (run_folder / "config.yaml").read_text(),
+        flags=re.MULTILINE,
+    )
 
     state = torch.load(summary.files["checkpoint"], map_location="cpu", weights_only=False)["state_dict"]
     assert {"H_0", "a_0", "b_0", "H_3", "b_3"} <= state.keys()  # the model's own names, no "module." prefix
@@ -352,8 +496,44 @@ def test_run_folder_holds_metrics_checkpoint_and_config(tmp_path: Path, capsys: 
     assert main(["validate", *quick, "--ckpt_path", str(summary.files["checkpoint"])]) == 0
     validated = parse_summary(capsys.readouterr().out)
     assert validated.subcommand == "validate"
+    assert validated.checkpoint_used == summary.files["checkpoint"]
     assert validated.metrics["val_nll"] == pytest.approx(summary.metrics["val_nll"], abs=1e-6)
     assert validated.files["run folder"] == tmp_path / "version_1"
+
+
+def test_summaries_of_test_and_predict_name_the_checkpoint_and_their_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    quick = ["--config", str(QUICKSTART), *SMALL_DENSITY[2:], "--trainer.default_root_dir", str(tmp_path)]
+    assert main(["fit", *quick, "--trainer.max_steps", "2", "--trainer.limit_val_batches", "1"]) == 0
+    checkpoint = parse_summary(capsys.readouterr().out).files["checkpoint"]
+
+    assert main(["test", *quick, "--ckpt_path", str(checkpoint)]) == 0
+    tested = parse_summary(capsys.readouterr().out)
+    assert (tested.steps, tested.checkpoint_used) == (None, checkpoint)
+    assert 4 < tested.metrics["test_nll"] < 10
+    assert tested.files == {
+        "run folder": tmp_path / "version_1",
+        "config.yaml": tmp_path / "version_1" / "config.yaml",
+        "metrics.csv": tmp_path / "version_1" / "metrics.csv",
+    }
+
+    assert main(["predict", *quick, "--ckpt_path", str(checkpoint)]) == 0
+    predicted = parse_summary(capsys.readouterr().out)
+    assert (predicted.steps, predicted.checkpoint_used) == (None, checkpoint)
+    assert predicted.files == {  # nothing is logged in predict, so there is no metrics.csv to list
+        "run folder": tmp_path / "version_2",
+        "config.yaml": tmp_path / "version_2" / "config.yaml",
+        "predictions.csv": tmp_path / "version_2" / "predictions.csv",
+    }
+    with open(predicted.files["predictions.csv"]) as predictions:
+        assert len(list(csv.reader(predictions))) == 1 + 4000  # header and the test samples
+
+    # A command that fails before writing anything but its config leaves no run folder behind, and says no more.
+    with pytest.raises(FileNotFoundError, match="missing.ckpt"):
+        main(["test", *quick, "--ckpt_path", str(tmp_path / "missing.ckpt")])
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["version_0", "version_1", "version_2"]
+    assert "lightning-mgpu" not in capsys.readouterr().out
 
 
 def test_print_config_round_trips(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 ACCELERATOR_CHECK_EVERY = 50
 
@@ -26,13 +29,16 @@ class StepHealth:
         self._unread = 0
 
     def check_rows(self, rows: int, devices: int) -> None:
-        """A batch with fewer rows than devices leaves devices idle (and changes nothing else)."""
+        """A batch with fewer rows than devices leaves devices idle (and changes nothing else).
+
+        It is found in the middle of an epoch, while a progress bar is drawn (see ``_report``).
+        """
         if rows < devices:
             self._report(
                 "rows",
-                f"{self.strategy_name}: a batch of {rows} row(s) was split across {rows} of {devices} devices, so"
-                " the others sat idle for that step. Use a batch size of at least the device count (ideally a"
-                " multiple of it); a smaller last batch is harmless (drop_last=True skips it).",
+                f"{self.strategy_name}: a batch of {rows} row(s) was split across {rows} of {devices} devices,"
+                " so the others sat idle for that step. Use a batch size of at least the device count (ideally"
+                " a multiple of it); a smaller last batch is harmless (drop_last=True skips it).",
             )
 
     def check_loss(self, output: Any, where: Callable[[], str], replica_losses: Sequence[Any] = ()) -> None:
@@ -113,9 +119,22 @@ class StepHealth:
             )
 
     def _report(self, kind: str, message: str) -> None:
+        """Warn once per kind; these checks run mid-epoch, so a progress bar on screen steps aside for the line."""
         if kind not in self._reported:
             self._reported.add(kind)
-            warnings.warn(message, UserWarning, stacklevel=4)
+            with _progress_bars_aside():
+                warnings.warn(message, UserWarning, stacklevel=4)
+
+
+@contextmanager
+def _progress_bars_aside() -> Iterator[None]:
+    """Clear the progress bars (tqdm's, as Lightning's TQDMProgressBar draws) and redraw them after the block.
+
+    A warning printed while a bar is drawn would continue the bar's unfinished line; cleared first, it starts a line
+    of its own and the bar is redrawn below it. Without bars on the screen this does nothing.
+    """
+    with tqdm.external_write_mode(file=sys.stderr):
+        yield
 
 
 class stop_iteration_is_an_error:  # noqa: N801 - used as a context manager, named like contextlib's
