@@ -48,6 +48,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import Accuracy
 
+import lightning_mgpu
 from lightning_mgpu import MGPUMixin  # importing lightning_mgpu registers mgpu_dp and mgpu_ddp
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -309,6 +310,8 @@ def main(args: Sequence[str] | None = None) -> int:
         sys.path.insert(0, str(ROOT))  # so examples.classifier resolves whatever the current directory
     from lightning_mgpu.lightning_cli import run_with_classes
 
+    if args is None:
+        lightning_mgpu.parse_local_rank()  # torch.distributed.launch passes --local-rank=N before the arguments
     argv = sys.argv[1:] if args is None else args
     return run_with_classes(
         "examples.classifier.DigitsClassifier",
