@@ -20,6 +20,7 @@ LAUNCHERS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", list(LAUNCHERS))
 def test_parse_local_rank_lets_every_launcher_start_both_ranks(tmp_path: Path, launcher: str) -> None:
     port = str(free_port())

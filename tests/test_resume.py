@@ -63,6 +63,7 @@ def _final(out: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     return torch.load(out / "final.pt", weights_only=False), json.loads((out / "report.json").read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["mgpu_dp", "mgpu_ddp"])
 @pytest.mark.parametrize(
     ("every", "checkpoint"), [(3, "step=13.ckpt"), (0, "step=10.ckpt")], ids=["mid-epoch", "epoch-end"]

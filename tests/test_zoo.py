@@ -95,6 +95,7 @@ def _ddp_outcome(out: Path, name: str, rank: int, stderr: str) -> Outcome:
     return Outcome(**torch.load(result, weights_only=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", DDP_ENTRIES)
 def test_mgpu_ddp_trains_like_one_device_on_the_global_batch(name: str, ddp_job: tuple[Path, str]) -> None:
     out, stderr = ddp_job
@@ -103,6 +104,7 @@ def test_mgpu_ddp_trains_like_one_device_on_the_global_batch(name: str, ddp_job:
     assert_same_training(ranks[0], _one_device(name, DDP_BATCH * DDP_WORLD_SIZE))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", DDP_ENTRIES)
 def test_mgpu_ddp_fit_leaves_the_model_structure_as_it_was(name: str, ddp_job: tuple[Path, str]) -> None:
     out, stderr = ddp_job
