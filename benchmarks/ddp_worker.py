@@ -33,6 +33,8 @@ from benchmarks.models import ModelSpec, build_net, dataset, loss_of, mode_setti
 
 PROFILE_SUFFIX = "_profile"
 """A variant name ending in this (``mgpu_ddp_profile``) runs that strategy under cProfile instead of timing it."""
+EXIT_GRACE_S = 0.1
+"""How long a rank leaves the GIL to gloo's threads before it exits."""
 
 
 def _buffer_sync_keyword() -> str:
@@ -171,6 +173,11 @@ def main() -> None:
     (args.out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "results": results}))
     if dist.is_initialized():
         dist.destroy_process_group()
+    # Gloo's threads outlive the group (torch keeps references to it) and may still need the GIL to free the last
+    # all-reduce of a backward; a rank that exits before they get it dies of SIGABRT in interpreter finalization.
+    # mgpu_ddp registers the same pause at exit (release_process_group_at_exit), the torch and ddp variants do not,
+    # and a job of the hand-written loop alone imports no Lightning.
+    time.sleep(EXIT_GRACE_S)
 
 
 if __name__ == "__main__":

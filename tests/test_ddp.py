@@ -8,7 +8,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import lightning as L
@@ -19,6 +21,7 @@ from processes import clean_env, free_port
 
 import lightning_mgpu
 from lightning_mgpu import DDPStrategy
+from lightning_mgpu.strategies import ddp as ddp_strategy
 from lightning_mgpu.strategies.ddp import buffer_sync_keyword
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_train.py"
@@ -208,6 +211,47 @@ def test_checkpoints_move_between_ddp_dp_and_one_device(tmp_path: Path) -> None:
     result = _run(command, clean_env(MASTER_PORT=str(free_port())))
     assert result.returncode == 0, result.stderr[-3000:]
     assert_same_parameters(torch.load(resumed_out / "params.pt"), straight)
+
+
+def test_ranks_release_the_process_group_and_exit_cleanly(tmp_path: Path) -> None:
+    """Gloo's threads can still need the GIL after fit returns; a rank that reached finalization first got SIGABRT."""
+    for attempt in range(3):
+        out = tmp_path / str(attempt)
+        command = [sys.executable, str(SCRIPT), "--out", str(out), "--epochs", "1", "--exit-report"]
+        result = _run(command, clean_env(MASTER_PORT=str(free_port())))
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "terminate called" not in result.stderr, f"a rank aborted at exit in attempt {attempt}"
+        exits = [json.loads((out / f"exit-rank{rank}.json").read_text()) for rank in (0, 1)]
+        assert exits == [{"group_initialized": False}] * 2, "mgpu_ddp destroys the default group at exit"
+
+
+def test_the_exit_handler_is_registered_once_and_leaves_the_group_of_a_failed_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class Failing(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            raise RuntimeError("fails on purpose")
+
+    registered: list[Callable[[], None]] = []
+    monkeypatch.setattr(ddp_strategy, "atexit", SimpleNamespace(register=registered.append))
+    monkeypatch.setattr(ddp_strategy, "_process_exit", ddp_strategy._ProcessExit())
+    try:
+        for _ in range(2):
+            trainer(strategy="mgpu_ddp", max_steps=1).fit(Regressor(), loader(regression_data(), 4))
+        assert registered == [ddp_strategy._release_process_group]
+        assert torch.distributed.is_initialized()
+        started = time.monotonic()
+        registered[0]()
+        assert time.monotonic() - started >= ddp_strategy._EXIT_GRACE_S, "gloo's threads get the GIL for a moment"
+        assert not torch.distributed.is_initialized()
+
+        with pytest.raises(RuntimeError, match="fails on purpose"):
+            trainer(strategy="mgpu_ddp", max_steps=1).fit(Failing(), loader(regression_data(), 4))
+        registered[0]()
+        assert torch.distributed.is_initialized(), "a rank whose run failed leaves the group to its launcher"
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 def test_defaults_follow_the_recipe_and_raise_no_warning(recwarn: pytest.WarningsRecorder) -> None:

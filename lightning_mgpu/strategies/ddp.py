@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import inspect
 import re
+import time
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -26,6 +29,19 @@ from lightning_mgpu.strategies.samplers import EvenlyShardedSampler, is_padding_
 _EVALUATION_STAGES = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING)
 _UNUSED_PARAMETERS = re.compile(r"Expected to have finished reduction in the prior iteration")
 _UNUSED_INDICES = re.compile(r"Parameter indices which did not receive grad for rank \d+: ([\d ]+)")
+_EXIT_GRACE_S = 0.1
+"""How long the exit handler leaves the GIL to torch.distributed's threads: many scheduler slices, room for load."""
+
+
+@dataclass
+class _ProcessExit:
+    """What the exit handler of this process needs to know: whether it is registered, and whether a run failed."""
+
+    registered: bool = False
+    a_run_failed: bool = False
+
+
+_process_exit = _ProcessExit()
 
 
 def _is_mean(reduce_op: Any) -> bool:
@@ -44,6 +60,34 @@ def buffer_sync_keyword() -> str:
     return "forward_sync_buffers" if "forward_sync_buffers" in parameters else "broadcast_buffers"
 
 
+def release_process_group_at_exit() -> None:
+    """Have this process release torch.distributed before the interpreter shuts down; registered once per process.
+
+    Gloo runs collectives on threads of its own. An all-reduce that DDP starts during ``backward`` holds the Python
+    context autograd stashes for the pass, and the gloo thread that finishes it frees it, which takes the GIL. That
+    thread can keep losing the GIL to the busy main thread until the script ends; once the interpreter finalizes,
+    Python ends it with ``pthread_exit`` inside a C++ destructor and the process dies of ``std::terminate``
+    (SIGABRT, "terminate called without an active exception"), after all its work is done.
+    ``destroy_process_group()`` alone does not prevent it: gloo's threads stop only when the group is freed, and torch
+    keeps references to the default group once DDP has imported ``torch.distributed.nn``.
+
+    At exit, while threads may still take the GIL, the handler destroys the default group (unless a run in this
+    process failed: that rank leaves the group to its launcher) and then sleeps ``_EXIT_GRACE_S``, the GIL released,
+    so gloo's threads finish freeing what they hold.
+    """
+    if not _process_exit.registered:
+        atexit.register(_release_process_group)
+        _process_exit.registered = True
+
+
+def _release_process_group() -> None:
+    try:
+        if not _process_exit.a_run_failed and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    finally:
+        time.sleep(_EXIT_GRACE_S)
+
+
 class DDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
     """One process per device, gradients all-reduced by ``DistributedDataParallel``, the user's defaults built in.
 
@@ -52,7 +96,8 @@ class DDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
     every forward (the user's ``broadcast_buffers=False``) unless ``broadcast_buffers=True``; the ``*_step_end``
     hooks run after every rank's step with that rank's output, so one LightningModule runs unchanged under
     ``mgpu_dp`` and ``mgpu_ddp``; validation and test count every sample exactly once (no padding duplicates);
-    DDP's unused-parameter error names the parameters.
+    DDP's unused-parameter error names the parameters; a rank whose script ends after ``fit`` exits cleanly
+    (:func:`release_process_group_at_exit`).
 
     Args:
         accelerator: the accelerator; Lightning sets it from ``Trainer(accelerator=...)`` when left ``None``.
@@ -132,6 +177,7 @@ class DDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
             # The user's recipe: pin this process to its card before anything (NCCL included) touches CUDA.
             torch.cuda.set_device(self.root_device)
         super().setup_environment()
+        release_process_group_at_exit()
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
@@ -202,6 +248,7 @@ class DDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        _process_exit.a_run_failed = True
         if any(isinstance(arg, str) and _UNUSED_PARAMETERS.search(arg) for arg in exception.args):
             exception.args = (self._explain_unused_parameters(str(exception)),)
             return

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import sys
@@ -12,12 +13,14 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models import Portable, Regressor, StepEndRegressor, regression_data  # noqa: E402
 
 import lightning_mgpu  # noqa: E402
+from lightning_mgpu.strategies.ddp import release_process_group_at_exit  # noqa: E402
 
 
 class Data(L.LightningDataModule):
@@ -106,6 +109,16 @@ class FailOnRank(L.Callback):
             raise RuntimeError(f"rank {self.rank} fails on purpose")
 
 
+def report_at_exit(out: Path, trainer: L.Trainer) -> None:
+    """Write, from the last exit handler to run, whether torch.distributed still has its default group."""
+
+    def report() -> None:
+        state = {"group_initialized": dist.is_available() and dist.is_initialized()}
+        (out / f"exit-rank{trainer.global_rank}.json").write_text(json.dumps(state))
+
+    atexit.register(report)  # before the run registers any handler, so it runs after all of them
+
+
 MODELS = {"Regressor": Regressor, "StepEndRegressor": StepEndRegressor, "Evaluated": Evaluated, "Unused": Unused,
           "Portable": Portable}  # fmt: skip
 
@@ -124,6 +137,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--ckpt-in", type=Path)
     parser.add_argument("--val-rows", type=int, default=0)
+    parser.add_argument("--exit-report", action="store_true", help="write exit-rank<R>.json when the process exits")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     (
@@ -152,6 +166,10 @@ def main() -> None:
         callbacks=callbacks,
         limit_val_batches=1.0 if args.val_rows else 0,
     )
+    if args.exit_report:
+        report_at_exit(args.out, trainer)
+    if args.strategy == "ddp":
+        release_process_group_at_exit()  # mgpu_ddp registers this itself; Lightning's ddp leaves gloo's threads running
     data = Data(args.batch, shuffle_by_lightning=args.scenario == "shuffle", val_rows=args.val_rows)
     if args.scenario == "validate":
         trainer.validate(model, datamodule=data, verbose=False)
