@@ -51,11 +51,13 @@ def _assert_matches_single_device(out: Path, result: subprocess.CompletedProcess
     assert_same_parameters(torch.load(out / "params.pt"), _single_device_parameters())
 
 
+@pytest.mark.slow
 def test_lightning_launcher_matches_one_device_with_twice_the_batch(tmp_path: Path) -> None:
     result = _run([sys.executable, str(SCRIPT), "--out", str(tmp_path)], clean_env(MASTER_PORT=str(free_port())))
     _assert_matches_single_device(tmp_path, result, "LightningEnvironment")
 
 
+@pytest.mark.slow
 def test_torchrun(tmp_path: Path) -> None:
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
@@ -65,6 +67,7 @@ def test_torchrun(tmp_path: Path) -> None:
     assert _report(tmp_path, 0)["metrics"]["val_rows"] == 5.0, "validation during fit counts each sample once"
 
 
+@pytest.mark.slow
 def test_legacy_torch_distributed_launch_with_its_local_rank_argument(tmp_path: Path) -> None:
     command = [
         sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node", "2", "--master_port", str(free_port()),
@@ -74,6 +77,7 @@ def test_legacy_torch_distributed_launch_with_its_local_rank_argument(tmp_path: 
     _assert_matches_single_device(tmp_path, result, "TorchElasticEnvironment")
 
 
+@pytest.mark.slow
 def test_slurm_environment(tmp_path: Path) -> None:
     port = str(free_port())
     processes = []
@@ -92,6 +96,7 @@ def test_slurm_environment(tmp_path: Path) -> None:
     _assert_matches_single_device(tmp_path, result, "SLURMEnvironment")
 
 
+@pytest.mark.slow
 def test_two_nodes_on_one_machine_through_torchrun(tmp_path: Path) -> None:
     port = str(free_port())
     processes = []
@@ -110,6 +115,7 @@ def test_two_nodes_on_one_machine_through_torchrun(tmp_path: Path) -> None:
     _assert_matches_single_device(tmp_path, result, "TorchElasticEnvironment")
 
 
+@pytest.mark.slow
 def test_validation_counts_each_sample_once(tmp_path: Path) -> None:
     command = [
         sys.executable, str(SCRIPT), "--out", str(tmp_path), "--scenario", "validate", "--model", "Evaluated",
@@ -123,6 +129,7 @@ def test_validation_counts_each_sample_once(tmp_path: Path) -> None:
     assert metrics["val_loss"] == pytest.approx(expected[0]["val_loss"], abs=1e-6)
 
 
+@pytest.mark.slow
 def test_training_shuffles_differently_every_epoch(tmp_path: Path) -> None:
     command = [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--scenario", "shuffle", "--epochs", "2"]
     result = _run(command, clean_env(MASTER_PORT=str(free_port())))
@@ -166,16 +173,19 @@ def _assert_every_process_ends(tmp_path: Path, scenario: str, fail_rank: int) ->
     return result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fail_rank", [0, 1])
 def test_a_failing_rank_ends_every_process_quickly(tmp_path: Path, fail_rank: int) -> None:
     result = _assert_every_process_ends(tmp_path, "fail", fail_rank)
     assert "fails on purpose" in result.stderr
 
 
+@pytest.mark.slow
 def test_a_rank_that_exits_ends_every_process_quickly(tmp_path: Path) -> None:
     _assert_every_process_ends(tmp_path, "exit", fail_rank=1)
 
 
+@pytest.mark.slow
 def test_unused_parameters_are_named_with_the_fix(tmp_path: Path) -> None:
     command = [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--model", "Unused", "--timeout", "30"]
     result = _run(command, clean_env(MASTER_PORT=str(free_port())))
@@ -185,6 +195,7 @@ def test_unused_parameters_are_named_with_the_fix(tmp_path: Path) -> None:
     assert "static_graph=True" in result.stderr
 
 
+@pytest.mark.slow
 def test_checkpoints_move_between_ddp_dp_and_one_device(tmp_path: Path) -> None:
     ddp_out = tmp_path / "ddp"
     command = [sys.executable, str(SCRIPT), "--out", str(ddp_out), "--epochs", "1"]
@@ -213,6 +224,7 @@ def test_checkpoints_move_between_ddp_dp_and_one_device(tmp_path: Path) -> None:
     assert_same_parameters(torch.load(resumed_out / "params.pt"), straight)
 
 
+@pytest.mark.slow
 def test_ranks_release_the_process_group_and_exit_cleanly(tmp_path: Path) -> None:
     """Gloo's threads can still need the GIL after fit returns; a rank that reached finalization first got SIGABRT."""
     for attempt in range(3):
