@@ -35,6 +35,7 @@ def test_same_parameters_in_process(strategy: str | None, devices: int) -> None:
     assert model.step_end_calls == 10, "training_step_end runs exactly once per step"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "mgpu_ddp"])
 def test_same_parameters_under_ddp_in_two_processes(tmp_path: Path, strategy: str) -> None:
     command = [
