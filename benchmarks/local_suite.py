@@ -106,7 +106,7 @@ def _hand_written(variant: str, spec: ModelSpec, devices: list[torch.device]) ->
     net = build_net(spec).to(root)
     model: torch.nn.Module = Clocked(net, clock)
     if variant == "raw_engine":
-        model = DataParallel(model, devices)
+        model = DataParallel(model, devices, time_phases=True)
     elif variant == "torch_dp":
         model = torch.nn.DataParallel(model, device_ids=[device.index for device in devices])
     optim = optimizer(net.parameters())

@@ -58,7 +58,9 @@ class Mode:
         ddp_rounds: within one job, how many times the variants of that job run in turn (``torch``, ``ddp``,
             ``mgpu_ddp``, ``torch``, ``ddp``, ...); ``--isolated`` runs each variant as its own job instead.
         local_repeats: repeats of every single-process variant (run in the benchmark's own process).
-        profile_steps: timed steps of the cProfile run of ``mgpu_dp``, per model.
+        profile_steps: timed steps of the profiled run of ``mgpu_dp``, per model.
+        overhead_loops: calls per timed loop of the engine-overhead benchmark (``benchmarks/overhead.py``).
+        overhead_repeats: repeats of those loops, each variant of each case in turn.
     """
 
     name: str
@@ -67,6 +69,8 @@ class Mode:
     ddp_rounds: int
     local_repeats: int
     profile_steps: int
+    overhead_loops: int
+    overhead_repeats: int
 
 
 def _modes(device: str) -> dict[str, Mode]:
@@ -85,9 +89,36 @@ def _modes(device: str) -> dict[str, Mode]:
         ModelSpec("conv", batch=32 * scale, warmup=5, steps=40, width=32, features=32),
     )
     return {
-        "smoke": Mode("smoke", smoke, ddp_repeats=1, ddp_rounds=1, local_repeats=1, profile_steps=2),
-        "quick": Mode("quick", quick, ddp_repeats=3, ddp_rounds=3, local_repeats=5, profile_steps=40),
-        "full": Mode("full", full, ddp_repeats=5, ddp_rounds=3, local_repeats=9, profile_steps=100),
+        "smoke": Mode(
+            "smoke",
+            smoke,
+            ddp_repeats=1,
+            ddp_rounds=1,
+            local_repeats=1,
+            profile_steps=2,
+            overhead_loops=2,
+            overhead_repeats=1,
+        ),
+        "quick": Mode(
+            "quick",
+            quick,
+            ddp_repeats=3,
+            ddp_rounds=3,
+            local_repeats=5,
+            profile_steps=40,
+            overhead_loops=20,
+            overhead_repeats=41,
+        ),
+        "full": Mode(
+            "full",
+            full,
+            ddp_repeats=5,
+            ddp_rounds=3,
+            local_repeats=9,
+            profile_steps=100,
+            overhead_loops=50,
+            overhead_repeats=81,
+        ),
     }
 
 

@@ -47,9 +47,9 @@ class StepTimer(L.Callback):
 
     A step runs from ``on_train_batch_start`` (its batch already fetched) to the next step's start; the last one
     ends at its ``on_train_batch_end`` (after its optimizer step). On CUDA the first start and the last end
-    synchronize the device. Under ``mgpu_dp`` the timer also snapshots the engine's ``phase_seconds`` at every mark
-    and times every call of the strategy's ``training_step`` (the replicas' step, gather and loss reduction, with
-    the replica threads' work inside).
+    synchronize the device. Under ``mgpu_dp`` the timer also switches the engine's phase timers on, snapshots its
+    ``phase_seconds`` at every mark and times every call of the strategy's ``training_step`` (the replicas' step,
+    gather and loss reduction, with the replica threads' work inside).
     """
 
     def __init__(self, warmup: int, steps: int) -> None:
@@ -68,6 +68,7 @@ class StepTimer(L.Callback):
         self._cuda = pl_module.device.type == "cuda"
         strategy = trainer.strategy
         if isinstance(strategy.model, DataParallel):
+            strategy.model.time_phases = True
             strategy.training_step = self._timed(strategy.training_step)  # type: ignore[method-assign]
 
     @override

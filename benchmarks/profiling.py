@@ -1,25 +1,32 @@
-"""cProfile of ``mgpu_dp`` training steps, the replica threads included.
+"""Profiles of the timed training steps: ``mgpu_dp`` under ``torch.profiler``, ``mgpu_ddp`` under cProfile.
 
-cProfile profiles only the thread that enables it, and the replicas run in the engine's worker threads. So besides
-the main thread's profiler, ``threading.setprofile`` installs a hook in every thread started during the fit (the
-workers start at the first step); once timing begins, the hook gives each such thread its own ``cProfile.Profile``.
-The per-thread statistics are merged, and each function's time is reported per step and as a share of the wall time
-of the profiled steps. cProfile slows Python code down more than native code, so the shares overstate Python
-overhead somewhat; the unprofiled phase split in ``results.json`` gives the real proportions.
+``mgpu_dp`` runs its replicas in the engine's own threads. ``torch.profiler`` records every thread when asked to
+(``profile_all_threads``, in torch's experimental config), so the replica threads' work lands in one profile without
+any per-thread profiler of our own; on a torch without that option only the calling thread is recorded, and the
+summary says so. The engine carries no profiler calls of its own (a ``record_function`` costs about a microsecond
+even with no profiler running): for the profiled fit only, ``labelled`` wraps the engine's and the strategy's
+functions in ``record_function`` labels, and puts them back afterwards. The profiler slows every torch call down a
+little, so shares overstate the engine somewhat; the unprofiled phase split in ``results.json`` gives the real
+proportions.
+
+``mgpu_ddp`` does all its work on the main thread; ``ProfileSteps`` profiles that thread with cProfile (one profiler
+at a time, which Python 3.12's cProfile requires).
 """
 
 from __future__ import annotations
 
+import contextlib
 import cProfile
+import functools
 import os
 import pstats
-import threading
-import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
+from torch.profiler import ProfilerActivity, record_function
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
@@ -28,47 +35,145 @@ from benchmarks.modules import BenchModule, StepTimer, quiet_lightning, trainer_
 
 PACKAGE_MARK = f"{os.sep}lightning_mgpu{os.sep}"
 KEY_FUNCTIONS = (
-    ("strategies/_replica_step.py", "run_replica_step"),
-    ("engine/data_parallel.py", "run"),
-    ("engine/scatter.py", "scatter"),
-    ("engine/replicate.py", "replicate"),
-    ("strategies/_replica_step.py", "prepare_replica"),
-    ("engine/parallel_apply.py", "__call__"),
-    ("engine/parallel_apply.py", "_run_replica"),
-    ("engine/parallel_apply.py", "enter"),
-    ("engine/data_parallel.py", "gather"),
-    ("strategies/_replica_log.py", "replay"),
-    ("strategies/_replica_step.py", "_reduce_loss"),
+    ("strategies/ddp.py", "training_step"),
+    ("strategies/_health.py", "check_loss"),
+    ("strategies/_resume.py", "__iter__"),
 )
+LABELS = (
+    ("lightning_mgpu.strategies.dp", "DataParallelStrategy._parallel_step", "mgpu::strategy_step"),
+    ("lightning_mgpu.engine.data_parallel", "scatter", "mgpu::scatter"),
+    ("lightning_mgpu.engine.replicate", "ReplicaCache.__call__", "mgpu::replicate"),
+    ("lightning_mgpu.strategies._replica_step", "prepare_replica", "mgpu::prepare_replica"),
+    ("lightning_mgpu.engine.data_parallel", "DataParallel._synchronise_batchnorms", "mgpu::batchnorm_setup"),
+    ("lightning_mgpu.engine.parallel_apply", "ParallelApply.__call__", "mgpu::parallel_apply"),
+    ("lightning_mgpu.engine.parallel_apply", "_Job.run", "mgpu::replica_thread"),
+    ("benchmarks.modules", "BenchModule.training_step", "mgpu::replica_step_body"),
+    ("lightning_mgpu.engine.replicate", "ReplicaCache.keep_reassigned_buffers", "mgpu::keep_buffers"),
+    ("lightning_mgpu.strategies._replica_step", "replay", "mgpu::log_replay"),
+    ("lightning_mgpu.engine.data_parallel", "DataParallel.gather", "mgpu::gather"),
+    ("lightning_mgpu.strategies._replica_step", "_reduce_loss", "mgpu::reduce_loss"),
+)
+"""(module, attribute path, label): what ``labelled`` wraps for a profiled ``mgpu_dp`` run, in step order."""
 Function = tuple[str, int, str]
 
 
-class _ThreadProfiles:
-    """Gives every thread that runs Python code while active its own profiler (see the module docstring)."""
+@contextlib.contextmanager
+def labelled(labels: tuple[tuple[str, str, str], ...] = LABELS) -> Iterator[None]:
+    """Wrap each named function in a ``record_function`` label while the block runs; put the originals back after."""
+    import importlib
 
-    def __init__(self) -> None:
-        self.active = False
-        self.profiles: list[cProfile.Profile] = []
-        self._local = threading.local()
+    saved: list[tuple[Any, str, Any]] = []
+    try:
+        for module_name, path, label in labels:
+            owner: Any = importlib.import_module(module_name)
+            *parents, name = path.split(".")
+            for parent in parents:
+                owner = getattr(owner, parent)
+            original = vars(owner)[name]
+            saved.append((owner, name, original))
+            setattr(owner, name, _with_label(original, label))
+        yield
+    finally:
+        for owner, name, original in reversed(saved):
+            setattr(owner, name, original)
 
-    def hook(self, frame: Any, event: str, arg: Any) -> None:
-        """``threading.setprofile`` hook: the first event in a thread while active starts that thread's profiler."""
-        if self.active and getattr(self._local, "profile", None) is None:
-            profile = cProfile.Profile()
-            self._local.profile = profile
-            self.profiles.append(profile)
-            profile.enable()
+
+def _with_label(function: Callable[..., Any], label: str) -> Callable[..., Any]:
+    @functools.wraps(function)
+    def labelled_call(*args: Any, **kwargs: Any) -> Any:
+        with record_function(label):
+            return function(*args, **kwargs)
+
+    return labelled_call
+
+
+class TorchProfileSteps(L.Callback):
+    """Runs ``torch.profiler`` over the steps that ``timer`` times, every thread included where torch can."""
+
+    def __init__(self, timer: StepTimer) -> None:
+        self.timer = timer
+        self.all_threads = True
+        try:
+            config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+        except (AttributeError, TypeError):  # a torch without the option records the calling thread only
+            config, self.all_threads = None, False
+        self.profiler = torch.profiler.profile(activities=[ProfilerActivity.CPU], experimental_config=config)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if batch_idx == self.timer.first:
+            self.profiler.start()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if batch_idx == self.timer.last:
+            self.profiler.stop()
+
+
+def profile_mgpu_dp(
+    spec: ModelSpec, devices: list[torch.device], out: Path | None, top: int = 12, trace: bool = False
+) -> dict[str, Any]:
+    """Profile ``spec.steps`` steps of ``mgpu_dp`` on ``devices``; with ``trace``, write a Chrome trace under ``out``.
+
+    Returns per label (see ``LABELS``) its calls and microseconds per step and its share of the profiled steps'
+    wall time, and the operators with the most self time (labels included).
+    """
+    quiet_lightning()
+    module = BenchModule(spec)
+    timer = StepTimer(spec.warmup, spec.steps)
+    profiler = TorchProfileSteps(timer)
+    accelerator = "gpu" if devices[0].type == "cuda" else "cpu"
+    steps = spec.warmup + spec.steps
+    trainer = trainer_for(timer, steps, "mgpu_dp", len(devices), accelerator, extra_callbacks=[profiler])
+    batch = spec.batch * len(devices)
+    with labelled():
+        trainer.fit(module, DataLoader(dataset(spec, batch * steps), batch_size=batch, shuffle=False))
+    if trace and out is not None:
+        profiler.profiler.export_chrome_trace(str(out / f"profile-{spec.name}.trace.json"))
+    averages = {event.key: event for event in profiler.profiler.key_averages()}
+    wall_us = sum(timer.durations()) * 1e6
+
+    def row(key: str) -> dict[str, Any]:
+        event = averages.get(key)
+        total = 0.0 if event is None else event.cpu_time_total
+        return {
+            "label": key,
+            "calls_per_step": 0.0 if event is None else event.count / spec.steps,
+            "us_per_step": total / spec.steps,
+            "share_of_step": total / wall_us,
+        }
+
+    by_self = sorted(averages.values(), key=lambda event: event.self_cpu_time_total, reverse=True)[:top]
+    return {
+        "profiler": "torch.profiler",
+        "profiled_step_ms": wall_us / spec.steps / 1e3,
+        "steps": spec.steps,
+        "replica_threads_profiled": profiler.all_threads,
+        "labels": [row(label) for _, _, label in LABELS],
+        "self_time": [
+            {
+                "label": event.key,
+                "calls_per_step": event.count / spec.steps,
+                "us_per_step": event.self_cpu_time_total / spec.steps,
+                "share_of_step": event.self_cpu_time_total / wall_us,
+            }
+            for event in by_self
+        ],
+    }
 
 
 class ProfileSteps(L.Callback):
-    """Profiles the steps that ``timer`` times: the main thread, and with ``threads`` the threads started in the fit.
+    """Profiles the main thread with cProfile over the steps that ``timer`` times (``mgpu_ddp``'s benchmark).
 
     Put it after the ``StepTimer`` in the callbacks, so the timer's own work stays out of the profile.
     """
 
-    def __init__(self, timer: StepTimer, threads: _ThreadProfiles | None = None) -> None:
+    def __init__(self, timer: StepTimer) -> None:
         self.timer = timer
-        self.threads = threads or _ThreadProfiles()
         self.main = cProfile.Profile()
 
     @override
@@ -76,7 +181,6 @@ class ProfileSteps(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if batch_idx == self.timer.first:
-            self.threads.active = True
             self.main.enable()
 
     @override
@@ -85,37 +189,10 @@ class ProfileSteps(L.Callback):
     ) -> None:
         if batch_idx == self.timer.last:
             self.main.disable()
-            self.threads.active = False
 
     def stats(self) -> pstats.Stats:
-        """The merged statistics of every profiled thread."""
-        stats = pstats.Stats(self.main)
-        for profile in self.threads.profiles:
-            stats.add(profile)
-        return stats
-
-
-def profile_mgpu_dp(spec: ModelSpec, devices: list[torch.device], out: Path | None, top: int = 12) -> dict[str, Any]:
-    """Profile ``spec.steps`` steps of ``mgpu_dp`` on ``devices``; write ``profile-<model>.pstats`` under ``out``."""
-    quiet_lightning()
-    module = BenchModule(spec)
-    timer = StepTimer(spec.warmup, spec.steps)
-    threads = _ThreadProfiles()
-    profiler = ProfileSteps(timer, threads)
-    accelerator = "gpu" if devices[0].type == "cuda" else "cpu"
-    steps = spec.warmup + spec.steps
-    trainer = trainer_for(timer, steps, "mgpu_dp", len(devices), accelerator, extra_callbacks=[profiler])
-    batch = spec.batch * len(devices)
-    threading.setprofile(threads.hook)
-    try:
-        trainer.fit(module, DataLoader(dataset(spec, batch * steps), batch_size=batch, shuffle=False))
-    finally:
-        threading.setprofile(None)
-    time.sleep(0.05)  # let the stopped workers finish their last profiled call
-    stats = profiler.stats()
-    if out is not None:
-        stats.dump_stats(str(out / f"profile-{spec.name}.pstats"))
-    return summarize(stats.stats, sum(timer.durations()), spec.steps, len(threads.profiles), top)  # type: ignore[attr-defined]
+        """The statistics of the profiled steps."""
+        return pstats.Stats(self.main)
 
 
 def summarize(raw: dict[Function, Any], wall: float, steps: int, worker_threads: int, top: int) -> dict[str, Any]:
@@ -165,7 +242,7 @@ def _in_package(function: Function) -> bool:
 
 
 def _is_wait(function: Function) -> bool:
-    # Blocking waits (a worker idle on its queue, the main thread waiting for a future) are not work.
+    # Blocking waits (the main thread waiting for a lock or a queue) are not work.
     name = function[2]
     return any(
         mark in name

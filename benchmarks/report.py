@@ -1,8 +1,8 @@
 """Turn the suites' measurements into rows of ratios (median, min, max over repeats) and write them out.
 
 ``results.json`` holds every row with its per-repeat values, plus the raw measurements, the engine's phase split,
-the micro-benchmarks and the profiles; ``results.md`` holds the same rows as markdown tables; ``results.png`` plots
-the ratio rows (skipped, with a note, when matplotlib is not installed).
+the engine-overhead cases, the micro-benchmarks and the profiles; ``results.md`` holds the same rows as markdown
+tables; ``results.png`` plots the ratio rows (skipped, with a note, when matplotlib is not installed).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ class Row:
 
     Attributes:
         id: stable key, ``<group>/<name>/<model>``.
-        group: ``ddp``, ``scaling``, ``dp``, ``mixin``.
-        model: ``mlp`` or ``conv``.
+        group: ``ddp``, ``scaling``, ``dp``, ``mixin``, ``overhead``.
+        model: ``mlp`` or ``conv``, or for ``overhead`` the proxy net (``linear4x16``: 16 ``Linear(4, 4)`` layers).
         what: what was measured, in words (``mgpu_ddp / ddp samples/s``).
         unit: ``ratio``, ``share`` (of the step time), ``ms`` or ``us`` (per step).
         values: one value per repeat.
@@ -72,6 +72,10 @@ def _us_differences(a: Sequence[float], b: Sequence[float]) -> list[float]:
 
 def _at_least(bound: float) -> Callable[[float], bool]:
     return lambda value: value >= bound
+
+
+def _at_most(bound: float) -> Callable[[float], bool]:
+    return lambda value: value <= bound
 
 
 def _below(bound: float) -> Callable[[float], bool]:
@@ -187,6 +191,28 @@ def local_rows(local: dict[str, Any], device: str, mixin_cost_us: float | None) 
     return rows
 
 
+def overhead_rows(cases: list[dict[str, Any]]) -> list[Row]:
+    """One row per case of ``benchmarks/overhead.py``: what the engine adds per call, in us, against its target."""
+    rows = []
+    for case in cases:
+        replicas, depth, modules = case["replicas"], case["depth"], case["modules"]
+        bound = case["target_us"]
+        if replicas == 1:
+            what = f"us per call over the plain module: engine DataParallel, 1 replica (Linear(4,4) x {depth})"
+            target = f"<= {bound:.0f}"
+        else:
+            what = (
+                f"us per call over the same {replicas} chunks in turn: engine DataParallel, {replicas} virtual CPU"
+                f" replicas (Linear(4,4) x {depth})"
+            )
+            target = f"<= {bound:.0f} (40 + 2 x {modules} modules x {replicas})"
+        rows.append(
+            Row(f"overhead/{replicas}_replica{'s' if replicas > 1 else ''}/linear4x{depth}", "overhead",
+                f"linear4x{depth}", what, "us", case["overhead_us"], target, _at_most(bound))
+        )  # fmt: skip
+    return rows
+
+
 def phase_table(local: dict[str, Any]) -> list[dict[str, Any]]:
     """Per model and engine variant: milliseconds per step of each part, medians over repeats."""
     parts = ("scatter_s", "replicate_s", "dispatch_s", "compute_s", "gather_s", "glue_s", "overhead_s", "step_s")
@@ -253,10 +279,12 @@ def markdown(results: dict[str, Any]) -> str:
                 f" | {entry['dispatch_ms']:.3f} | {entry['compute_ms']:.3f} | {entry['gather_ms']:.3f}"
                 f" | {entry['glue_ms']:.3f} | {entry['overhead_ms']:.3f} | {entry['step_ms']:.3f} |"
             )
+    lines += _overhead_markdown(results.get("overhead", []))
     lines += _micro_markdown(results.get("micro", {}))
-    for title, key in (("mgpu_dp", "profile_dp"), ("mgpu_ddp", "profile_ddp")):
-        for model, profile in results.get(key, {}).items():
-            lines += _profile_markdown(f"{title}, {model}", profile)
+    for model, profile in results.get("profile_dp", {}).items():
+        lines += _torch_profile_markdown(f"mgpu_dp, {model}", profile)
+    for model, profile in results.get("profile_ddp", {}).items():
+        lines += _profile_markdown(f"mgpu_ddp, {model}", profile)
     absolute = results.get("absolute", {})
     if absolute:
         lines += ["", "## For context: absolute medians (noisy; compare only the ratios above)", "",
@@ -268,32 +296,29 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _overhead_markdown(cases: list[dict[str, Any]]) -> list[str]:
+    if not cases:
+        return []
+    lines = ["", "## Engine overhead per call (CPU proxy, 1 thread; us, medians over repeats)", "",
+             "DataParallel with N virtual CPU replicas against the same N chunks run in turn on the plain module in"
+             " the calling thread (N = 1: against the plain module); forward, backward and an SGD step per call.",
+             "CPU: the process's CPU time (all threads) per call, engine minus plain.", "",
+             "| depth | replicas | modules | plain | engine | overhead [min, max] | CPU overhead | target | met |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
+    for case in cases:
+        lines.append(
+            f"| {case['depth']} | {case['replicas']} | {case['modules']} | {case['sequential_us']:.1f}"
+            f" | {case['engine_us']:.1f} | {case['overhead_us']:+.1f} [{case['min_us']:+.1f}, {case['max_us']:+.1f}]"
+            f" | {case['cpu_overhead_us']:+.1f} | <= {case['target_us']:.0f} | {'yes' if case['met'] else '**no**'} |"
+        )
+    return lines
+
+
 def _micro_markdown(micro: dict[str, Any]) -> list[str]:
     lines: list[str] = []
-    if "replicate" in micro:
-        lines += ["", "## Replicas: built every step vs cached (us per call, median [min, max])", "",
-                  "| model | modules | built anew (engine `replicate`) | engine `ReplicaCache` (what a step uses) |"
-                  " prototype: refresh aliases | prototype: + resync attributes | torch replicate | same gradients |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
-        for row in micro["replicate"]:
-            timing = row["timings"]
-            cells = [
-                _us(timing.get(key))
-                for key in ("engine_replicate", "engine_cache", "cached_refresh", "cached_resync", "torch_replicate")
-            ]
-            lines.append(
-                f"| {row['model']} | {row['modules']} | {' | '.join(cells)} | {row['prototype_same_gradients']} |"
-            )
-    if "dispatch" in micro:
-        timing = micro["dispatch"]["timings"]
-        replicas = micro["dispatch"]["replicas"]
-        lines += ["", f"## Dispatch to {replicas} replica threads, no-op calls (us per round trip)",
-                  "", "| engine ParallelApply | caller runs replica 0, a pool runs the rest | inline |",
-                  "| ---: | ---: | ---: |",
-                  f"| {_us(timing['engine_parallel_apply'])} | {_us(timing['caller_runs_first_prototype'])}"
-                  f" | {_us(timing['inline'])} |"]  # fmt: skip
     if "per_step" in micro:
-        lines += ["", "## Per-step pieces (us per call)", "", "| piece | median [min, max] |", "| --- | ---: |"]
+        lines += ["", "## Per-call costs (us per call, median [min, max])", "", "| piece | median [min, max] |",
+                  "| --- | ---: |"]  # fmt: skip
         for name, timing in micro["per_step"].items():
             lines.append(f"| {name} | {_us(timing)} |")
     return lines
@@ -303,6 +328,30 @@ def _us(timing: dict[str, float] | None) -> str:
     if timing is None:
         return "-"
     return f"{timing['median_us']:.1f} [{timing['min_us']:.1f}, {timing['max_us']:.1f}]"
+
+
+def _torch_profile_markdown(title: str, profile: dict[str, Any]) -> list[str]:
+    threads = "replica threads included" if profile["replica_threads_profiled"] else "calling thread only"
+    lines = [
+        "",
+        f"## torch.profiler: {title} ({profile['profiled_step_ms']:.2f} ms per profiled step, {profile['steps']} steps,"
+        f" {threads})",
+        "",
+        "Labels are inclusive CPU time of the engine's and the strategy's parts (`mgpu::replica_thread` and"
+        " `mgpu::replica_step_body` run in the replica threads, side by side, while the caller waits inside"
+        " `mgpu::parallel_apply`, whose self time is mostly that wait); self time lists the operators and labels"
+        " with the most time of their own.",
+        "",
+        "| kind | label | calls/step | us/step | share of step |",
+        "| --- | --- | ---: | ---: | ---: |",
+    ]
+    for kind, key in (("label", "labels"), ("self", "self_time")):
+        for entry in profile[key]:
+            lines.append(
+                f"| {kind} | `{entry['label']}` | {entry['calls_per_step']:.1f} | {entry['us_per_step']:.1f}"
+                f" | {entry['share_of_step'] * 100:.1f}% |"
+            )
+    return lines
 
 
 def _profile_markdown(title: str, profile: dict[str, Any]) -> list[str]:

@@ -2,8 +2,9 @@
 
 Runs, in one go and on one machine, every benchmark of ``benchmarks/README.md``: the multi-process jobs (hand-written
 DDP, Lightning ``ddp``, ``mgpu_ddp``, and ``mgpu_ddp`` on one process), the single-process variants (``mgpu_dp``,
-its engine, one device, ``MGPUMixin``), the micro-benchmarks and the cProfile runs, then writes ``results.json``,
-``results.md`` and ``results.png`` under ``--out``. Without ``--quick`` or ``--smoke`` it runs the full mode.
+its engine, one device, ``MGPUMixin``), the engine-overhead cases, the micro-benchmarks and the profiles, then writes
+``results.json``, ``results.md`` and ``results.png`` under ``--out``. Without ``--quick`` or ``--smoke`` it runs the
+full mode.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import ddp_suite, local_suite, micro, report
+from benchmarks import ddp_suite, local_suite, micro, overhead, report
 from benchmarks.models import mode_settings
 
 RESULTS = Path(os.path.abspath(__file__)).parent / "results"
@@ -81,6 +82,11 @@ def main(argv: list[str] | None = None) -> int:
         " the same processes, which a busy machine disturbs less)",
     )
     parser.add_argument("--skip-ddp", action="store_true", help="leave out the multi-process jobs")
+    parser.add_argument(
+        "--traces",
+        action="store_true",
+        help="also write the mgpu_dp profiles as Chrome traces (profile-<model>.trace.json)",
+    )
     args = parser.parse_args(argv)
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -103,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from benchmarks.profiling import profile_mgpu_dp  # imports Lightning; after the suites, like the rest
 
+    _say("engine overhead (CPU proxy, 1 thread):")
+    overhead_cases = overhead.measure(mode.overhead_loops, mode.overhead_repeats, warmup=min(20, mode.overhead_loops))
     _say("micro-benchmarks and profiles:")
     threads = torch.get_num_threads()
     if args.device == "cpu":
@@ -110,21 +118,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         micro_repeats = max(3, mode.local_repeats)
         per_step = micro.per_step_costs(mode.models[0], devices[0], micro_repeats)
-        results_micro = {
-            "replicate": micro.replicate_costs(list(mode.models), devices, micro_repeats),
-            "dispatch": micro.dispatch_costs(devices, micro_repeats),
-            "per_step": per_step,
-        }
+        results_micro = {"per_step": per_step}
         args.out.mkdir(parents=True, exist_ok=True)
         profiles = {}
         for spec in mode.models:
             profiled = dataclasses.replace(spec, steps=mode.profile_steps)
-            profiles[spec.name] = profile_mgpu_dp(profiled, devices, args.out)
+            profiles[spec.name] = profile_mgpu_dp(profiled, devices, args.out, trace=args.traces)
     finally:
         torch.set_num_threads(threads)
 
     mixin_us = per_step["training_step_with_mixin"]["median_us"] - per_step["training_step_plain"]["median_us"]
-    rows = ([] if not ddp else report.ddp_rows(ddp)) + report.local_rows(local, args.device, mixin_us)
+    rows = (
+        ([] if not ddp else report.ddp_rows(ddp))
+        + report.local_rows(local, args.device, mixin_us)
+        + report.overhead_rows(overhead_cases)
+    )
     results = {
         "meta": {
             "mode": mode.name,
@@ -147,11 +155,12 @@ def main(argv: list[str] | None = None) -> int:
         },
         "rows": [row.as_dict() for row in rows],
         "phases": report.phase_table(local),
+        "overhead": overhead.summary(overhead_cases),
         "absolute": _absolute(ddp, local),
         "micro": results_micro,
         "profile_dp": profiles,
         "profile_ddp": ddp.get("profiles", {}),
-        "raw": {"ddp": ddp, "local": local},
+        "raw": {"ddp": ddp, "local": local, "overhead": overhead_cases},
     }
     report.write(results, args.out)
     _say((args.out / "results.md").read_text())

@@ -7,10 +7,10 @@ The checks judge only what the user wrote. torch, torchmetrics and Lightning kee
 attributes (an RNN's list of its flat weights, the tensor that ``weight_norm`` recomputes before every forward, a
 metric's states) and handle it themselves; flagging it would refuse stock models and give advice that breaks them.
 An attribute is theirs when a class of theirs in the module's MRO stores it (read from that class's source, so a
-subclass of ``nn.LSTM`` in your code inherits the exemption for ``_flat_weights`` but not for what the subclass adds), when
-a forward pre-hook of theirs recomputes it (``weight_norm``, ``spectral_norm``, ``torch.nn.utils.prune``), or when
-Lightning puts it on every module. The same plain list written by the user, even one that only repeats registered
-parameters, is still a finding: replicas would read the original tensors through it.
+subclass of ``nn.LSTM`` in your code inherits the exemption for ``_flat_weights`` but not for what the subclass
+adds), when a forward pre-hook of theirs recomputes it (``weight_norm``, ``spectral_norm``, ``torch.nn.utils.prune``),
+or when Lightning puts it on every module. The same plain list written in your code, even one that only repeats
+registered parameters, is still a finding: replicas would read the original tensors through it.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ ROW_NAMES = (
     "mixin/mixin_vs_single_cpu",
     "mixin/per_step_share",
 )
+OVERHEAD_ROWS = ("overhead/1_replica", "overhead/2_replicas", "overhead/4_replicas")
 
 
 def test_smoke_mode_writes_every_row(tmp_path: Path) -> None:
@@ -51,10 +52,25 @@ def test_smoke_mode_writes_every_row(tmp_path: Path) -> None:
         assert row["values"], row["id"]
         assert row["min"] <= row["median"] <= row["max"], row["id"]
     assert {entry["variant"] for entry in results["phases"]} == {"mgpu_dp", "raw_engine"}
-    assert all(row["prototype_same_gradients"] for row in results["micro"]["replicate"])
     assert set(results["profile_dp"]) == set(results["profile_ddp"]) == {"mlp", "conv"}
+    for profile in results["profile_dp"].values():
+        labels = {entry["label"]: entry for entry in profile["labels"]}
+        assert labels["mgpu::parallel_apply"]["calls_per_step"] > 0
+        if profile["replica_threads_profiled"]:
+            assert labels["mgpu::replica_thread"]["calls_per_step"] > 0, "the replica threads are in the profile"
+
+    overhead = {f"{row}/linear4x{depth}" for row in OVERHEAD_ROWS for depth in (1, 16)}
+    assert overhead <= set(rows), sorted(overhead - set(rows))
+    for row_id in overhead:
+        assert rows[row_id]["unit"] == "us"
+        assert rows[row_id]["target"].startswith("<= ")
+        assert rows[row_id]["met"] in (True, False)
+    assert {(case["depth"], case["replicas"]) for case in results["overhead"]} == {
+        (depth, replicas) for depth in (1, 16) for replicas in (1, 2, 4)
+    }
 
     table = (tmp_path / "results.md").read_text()
     assert "| id | what | median | min | max | target | met |" in table
-    assert all(f"| {row_id} |" in table for row_id in expected)
+    assert all(f"| {row_id} |" in table for row_id in expected | overhead)
+    assert "## Engine overhead per call" in table
     assert (tmp_path / "results.png").exists() or results["plot"].startswith("not drawn")

@@ -100,9 +100,12 @@ def test_data_parallel_wrapper_matches_the_module_and_passes_attributes_through(
         wrapper.close()
 
 
-def test_the_wrapper_times_each_phase() -> None:
+def test_the_wrapper_times_each_phase_when_asked() -> None:
     wrapper = DataParallel(nn.Linear(3, 2), CPU2)
     try:
+        wrapper(torch.randn(6, 3))
+        assert set(wrapper.phase_seconds.values()) == {0.0}, "no clock is read unless asked"
+        wrapper.time_phases = True
         wrapper(torch.randn(6, 3))
         wrapper(torch.randn(6, 3))
     finally:
@@ -222,7 +225,7 @@ def test_compiled_submodules_run_their_own_replica_and_leave_the_module_whole(
     assert [type(child).__name__ for child in encoder.modules()] == ["_Encoder", "Linear"]
     # Replicas whose weights differ from the module's, as copies on other GPUs may: a replica that ran the module
     # itself would return the module's output instead of its own.
-    monkeypatch.setattr(replicate_module, "_parameter_alias", lambda param, device: param * 0)
+    monkeypatch.setattr(replicate_module, "_alias", lambda param: param * 0)
     replicas = replicate(parallel, CPU2)
     torch.testing.assert_close(replicas[1](torch.randn(3, 4)), torch.ones(3, 4))
 

@@ -3,7 +3,8 @@
 A replica must behave like the module it copies, and torch gives no public way to copy three kinds of module state:
 a module's own replication hook (RNNs keep caches of their weights), the forward that ``torch.compile(module)``
 binds to the module it wraps, and the call that ``module.compile()`` binds to the module itself. Nor does it say
-which attributes its forward pre-hooks rewrite (``weight_norm``'s ``weight``).
+which attributes its forward pre-hooks rewrite (``weight_norm``'s ``weight``), or cheaply whether a thread has any
+torch function mode active (``parallel_apply`` asks every step).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 try:  # torch.compile's module wrapper; absent where dynamo is not built in
@@ -90,3 +92,11 @@ def names_rewritten_by_hooks(module: nn.Module, owned: Callable[[type], bool]) -
 def is_torch_class(cls: type) -> bool:
     """Whether ``cls`` is defined by torch itself."""
     return str(getattr(cls, "__module__", "")).partition(".")[0] == "torch"
+
+
+_len_torch_function_stack: Callable[[], int] | None = getattr(torch._C, "_len_torch_function_stack", None)
+
+
+def function_mode_depth() -> int | None:
+    """How many torch function modes are active on this thread, or ``None`` where torch does not say."""
+    return None if _len_torch_function_stack is None else _len_torch_function_stack()

@@ -13,12 +13,12 @@ from torch import nn
 from lightning_mgpu.engine.batchnorm import ReplicaRendezvous, batchnorm_paths, synchronise
 from lightning_mgpu.engine.gather import gather
 from lightning_mgpu.engine.parallel_apply import ContextFactory, ParallelApply
-from lightning_mgpu.engine.replicate import ReplicaCache, keep_reassigned_buffers
+from lightning_mgpu.engine.replicate import ReplicaCache, all_on, modules_of
 from lightning_mgpu.engine.scatter import Fields, LayoutMemory, move_to, scatter
 from lightning_mgpu.errors import BatchSplitError, ConfigurationError
 
 PHASES = ("scatter", "replicate", "parallel_apply", "gather")
-"""The engine's phases, timed in ``DataParallel.phase_seconds`` (seconds summed over calls)."""
+"""The engine's phases, timed in ``DataParallel.phase_seconds`` (seconds summed over calls) when ``time_phases``."""
 
 PrepareReplica = Callable[[nn.Module, int, int, torch.device], None]
 DeviceLike = torch.device | str | int
@@ -66,6 +66,9 @@ class DataParallel(nn.Module):
             ``torch.nn.DataParallel`` does.
         device_ids: ``torch.nn.DataParallel``'s name for ``devices``, so code written for it runs unchanged; pass
             one of the two.
+        time_phases: add the seconds of every phase (scatter, replicate, parallel apply, gather) to
+            ``phase_seconds``, for benchmarks; off, no step reads a clock. It can be switched at any time.
+
     """
 
     def __init__(
@@ -77,6 +80,7 @@ class DataParallel(nn.Module):
         *,
         sync_batchnorm: bool = True,
         device_ids: Sequence[DeviceLike] | None = None,
+        time_phases: bool = False,
     ) -> None:
         super().__init__()
         if dim != 0:
@@ -94,6 +98,7 @@ class DataParallel(nn.Module):
         self._replicate = ReplicaCache()
         self.sync_batchnorm = sync_batchnorm
         self._batchnorms: tuple[object, list[tuple[int, str]]] = (None, [])
+        self.time_phases = time_phases
         self.phase_seconds: dict[str, float] = dict.fromkeys(PHASES, 0.0)
         self._batch_layouts: dict[str, LayoutMemory] = {}
         self._output_layouts: dict[str, LayoutMemory] = {}
@@ -111,14 +116,13 @@ class DataParallel(nn.Module):
         without inputs runs the module once, on the root device, and with a single device the module is called
         directly on the inputs moved to it, its output returned as it is.
         """
-        self._check_module_device()
         if len(self.devices) == 1:
-            inputs, kwargs = move_to((inputs, kwargs), self.root_device)
-            return self.module(*inputs, **kwargs)
+            return self._forward_on_root(inputs, kwargs)
         if not inputs and not kwargs:
-            alone = self._run_replicas(None, [((), {})], [0])
+            alone = self._run_replicas(None, [((), {})], [0], check_device=True)
             return self.gather(alone.outputs, None, "forward")
-        started = time.perf_counter()
+        timing = self.time_phases
+        started = time.perf_counter() if timing else 0.0
         try:
             chunks, sizes = scatter(
                 {"inputs": Fields(inputs), "kwargs": kwargs}, self.devices, _layouts(self._batch_layouts, "forward")
@@ -129,10 +133,20 @@ class DataParallel(nn.Module):
                 " batch['inputs'][i] is positional input i, batch['kwargs'][name] the keyword argument name."
             )
             raise
-        self.phase_seconds["scatter"] += time.perf_counter() - started
+        if timing:
+            self.phase_seconds["scatter"] += time.perf_counter() - started
         calls = [(tuple(chunk["inputs"]), chunk["kwargs"]) for chunk in chunks]
-        replica_outputs = self._run_replicas(None, calls, sizes)
+        replica_outputs = self._run_replicas(None, calls, sizes, check_device=True)
         return self.gather(replica_outputs.outputs, replica_outputs.sizes, "forward")
+
+    def _forward_on_root(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        module = self._modules["module"]
+        root = self.devices[0]
+        if not all_on(modules_of(module), root):  # type: ignore[arg-type]
+            self._check_module_device()
+        if kwargs or not all(type(value) is torch.Tensor and value.device == root for value in inputs):
+            inputs, kwargs = move_to((inputs, kwargs), root)
+        return module(*inputs, **kwargs)  # type: ignore[misc]
 
     def gather(self, outputs: Sequence[Any], sizes: Sequence[int] | None = None, method: str = "forward") -> Any:
         """Gather one output per replica on ``output_device`` (see ``lightning_mgpu.engine.gather``).
@@ -144,6 +158,8 @@ class DataParallel(nn.Module):
             method: the method that returned ``outputs``; each method's outputs keep their own memory of how their
                 lists were gathered in earlier steps.
         """
+        if not self.time_phases:
+            return gather(outputs, self.output_device, sizes, memory=_layouts(self._output_layouts, method))
         started = time.perf_counter()
         gathered = gather(outputs, self.output_device, sizes, memory=_layouts(self._output_layouts, method))
         self.phase_seconds["gather"] += time.perf_counter() - started
@@ -174,9 +190,11 @@ class DataParallel(nn.Module):
         in the batch that could be read as one item per sample or as fields is read as it was in earlier batches of
         the same method (see ``lightning_mgpu.engine.scatter``).
         """
-        started = time.perf_counter()
+        timing = self.time_phases
+        started = time.perf_counter() if timing else 0.0
         chunks, sizes = scatter(batch, self.devices, _layouts(self._batch_layouts, method))
-        self.phase_seconds["scatter"] += time.perf_counter() - started
+        if timing:
+            self.phase_seconds["scatter"] += time.perf_counter() - started
         shared = kwargs or {}
         calls = [((chunk, *args), shared) for chunk in chunks]
         return self._run_replicas(method, calls, sizes, context, prepare_replica)
@@ -188,15 +206,19 @@ class DataParallel(nn.Module):
         sizes: list[int],
         context: ContextFactory | None = None,
         prepare_replica: PrepareReplica | None = None,
+        check_device: bool = False,
     ) -> ReplicaOutputs:
         """Replicate onto the first ``len(calls)`` devices and make call ``i`` on replica ``i``.
 
         ``method=None`` calls the replica itself, so its forward hooks run once per replica, as in
-        ``torch.nn.DataParallel``.
+        ``torch.nn.DataParallel``. ``check_device``: raise, as ``torch.nn.DataParallel`` does, when the module is
+        not on the root device (replicating looks at every tensor's device anyway).
         """
-        started = time.perf_counter()
+        timing = self.time_phases
+        started = time.perf_counter() if timing else 0.0
         devices = self.devices[: len(calls)]
-        replicas = self._replicate(self.module, devices)
+        misplaced = self._check_module_device if check_device else None
+        replicas = self._replicate(self._modules["module"], devices, misplaced)  # type: ignore[arg-type]
         if prepare_replica is not None:
             for index, (replica, device) in enumerate(zip(replicas, devices, strict=True)):
                 prepare_replica(replica, index, len(replicas), device)
@@ -205,11 +227,12 @@ class DataParallel(nn.Module):
             _bind(replica if method is None else getattr(replica, method), args, kwargs, index, rendezvous)
             for index, (replica, (args, kwargs)) in enumerate(zip(replicas, calls, strict=True))
         ]
-        replicated = time.perf_counter()
+        replicated = time.perf_counter() if timing else 0.0
         outputs = self._apply_in_threads(bound, devices, context)
-        keep_reassigned_buffers(self.module, replicas[0])
-        self.phase_seconds["replicate"] += replicated - started
-        self.phase_seconds["parallel_apply"] += time.perf_counter() - replicated
+        self._replicate.keep_reassigned_buffers()
+        if timing:
+            self.phase_seconds["replicate"] += replicated - started
+            self.phase_seconds["parallel_apply"] += time.perf_counter() - replicated
         return ReplicaOutputs(outputs, sizes, replicas)
 
     def _check_module_device(self) -> None:

@@ -14,8 +14,9 @@ fraction of rebuilding them (see benchmarks/README.md).
 
 from __future__ import annotations
 
+import operator
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -27,17 +28,21 @@ class ReplicaCache:
     """Replica shells kept between calls, refreshed from the module on every call.
 
     Modules that customise ``__setattr__`` or their own replication (RNNs, torch.compile's wrapper, torchmetrics)
-    get a fresh shell each call; every other module reuses its shell.
+    get a fresh shell each call; every other module reuses its shell. What depends only on the module's structure
+    (which shell stands for which module, which modules can reuse theirs) is worked out once per structure; a call
+    then walks the modules once and refreshes each shell from its module's current attributes, parameters and
+    buffers.
     """
 
     def __init__(self) -> None:
-        self._key: tuple[tuple[int, ...], tuple[torch.device, ...]] | None = None
-        self._shells: list[list[nn.Module]] = []
+        self._structure: _Structure | None = None
+        self._kept_buffers: list[tuple[nn.Module, nn.Module]] = []
+        self.on_first_device = True
 
     @property
     def structure(self) -> object:
         """Changes whenever the module's structure or the devices change, so callers can cache what depends on it."""
-        return self._key
+        return None if self._structure is None else self._structure.key
 
     def __getstate__(self) -> dict[str, object]:
         """The shells hold views with autograd history, which cannot be copied; a copy starts with no shells."""
@@ -46,37 +51,133 @@ class ReplicaCache:
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__init__()  # type: ignore[misc]
 
-    def __call__(self, module: nn.Module, devices: Sequence[torch.device]) -> list[nn.Module]:
+    def __call__(
+        self,
+        module: nn.Module,
+        devices: Sequence[torch.device],
+        misplaced: Callable[[], None] | None = None,
+    ) -> list[nn.Module]:
         """One replica of ``module`` per entry of ``devices``, in order.
 
         Parameters reach a replica on the parameter's own device as an alias, and a replica on another device as a
         differentiable copy; one parameter used by several modules is one tensor in the replica too. Buffers of the
         first replica are the original buffers, so in-place updates (BatchNorm running statistics) made there
         persist, as in ``torch.nn.DataParallel``; the other replicas get private copies, so concurrent replicas
-        never write to the same buffer.
+        never write to the same buffer. ``on_first_device`` tells afterwards whether every parameter and buffer of
+        ``module`` was on ``devices[0]``; when one was not, ``misplaced()`` is called before any replica is made, so
+        a caller that requires the module there can raise first.
         """
-        originals = list(module.modules())
-        key = (tuple(id(original) for original in originals), tuple(devices))
-        if key != self._key:
-            self._key = key
-            self._shells = [[_shell(original) for original in originals] for _ in devices]
-        reusable = [_reusable(original) for original in originals]
-        position = {id(original): index for index, original in enumerate(originals)}
+        originals = modules_of(module)
+        devices = tuple(devices)
+        structure = self._structure
+        if structure is None or structure.devices != devices or not _same_objects(structure.originals, originals):
+            structure = self._structure = _Structure(originals, devices)
+        root = devices[0]
+        self.on_first_device = on_root = all_on(originals, root)
+        if not on_root and misplaced is not None:
+            misplaced()
         replicas = []
-        for index, (kept, device) in enumerate(zip(self._shells, devices, strict=True)):
+        self._kept_buffers = []
+        for index, device in enumerate(devices):
+            kept = self._kept_buffers if index == 0 else None
+            replicas.append(structure.refresh(index, device, on_root and device == root, kept))
+        return replicas
+
+    def keep_reassigned_buffers(self) -> None:
+        """Store on the module the buffers that replica 0 of the last call reassigned (``self.count = self.count + 1``).
+
+        Replica 0 works on the module's own buffers, so its in-place updates persist; a reassignment only rebinds the
+        replica's name, and without this it would be lost at the end of the call. Only modules that had buffers when
+        the call began are looked at: a name the module did not have is never stored.
+        """
+        for original, shell in self._kept_buffers:
+            own = original._buffers
+            for name, buffer in shell._buffers.items():
+                if own.get(name, buffer) is not buffer:
+                    own[name] = buffer
+
+
+class _Structure:
+    """What one module structure on one tuple of devices needs on every call, worked out once."""
+
+    def __init__(self, originals: list[nn.Module], devices: tuple[torch.device, ...]) -> None:
+        self.originals = originals
+        self.devices = devices
+        self.key = (tuple(id(original) for original in originals), devices)
+        self.position = {id(original): index for index, original in enumerate(originals)}
+        self.reusable = [_reusable(original) for original in originals]
+        self.all_reusable = all(self.reusable)
+        self.compiled_wrapper = [_torch_private.is_compiled_wrapper(original) for original in originals]
+        self.shells = [[_shell(original) for original in originals] for _ in devices]
+
+    def refresh(
+        self, index: int, device: torch.device, on_device: bool, kept_buffers: list[tuple[nn.Module, nn.Module]] | None
+    ) -> nn.Module:
+        """Re-point replica ``index``'s shells at the modules' current state and return the top shell.
+
+        ``on_device``: every parameter and buffer is on ``device`` already, so parameters become aliases and
+        buffers stay shared or are cloned without a device check each.
+        """
+        originals = self.originals
+        kept = self.shells[index]
+        if self.all_reusable:
+            shells = kept
+        else:
             shells = [
                 shell if reuse else _shell(original)
-                for original, shell, reuse in zip(originals, kept, reusable, strict=True)
+                for original, shell, reuse in zip(originals, kept, self.reusable, strict=True)
             ]
-            aliases: dict[int, torch.Tensor] = {}
-            for original, shell, reuse in zip(originals, shells, reusable, strict=True):
-                if reuse:
-                    _refresh(original, shell)
-                _wire(original, shell, shells, position, device, aliases, first=index == 0, direct=reuse)
-            for original, shell in zip(originals, shells, strict=True):
-                _bind_compiled(original, shell)
-            replicas.append(shells[0])
-        return replicas
+        position = self.position
+        first = index == 0
+        alias = _alias
+        aliases: dict[int, torch.Tensor] = {}
+        compiled: list[tuple[nn.Module, nn.Module]] = []
+        rows = zip(originals, shells, self.reusable, self.compiled_wrapper, strict=True)
+        for original, shell, reuse, wrapper in rows:
+            source = original.__dict__
+            if reuse:
+                state = shell.__dict__
+                state.clear()
+                state.update(source)
+                children = source["_modules"]
+                state["_modules"] = (
+                    {name: None if child is None else shells[position[id(child)]] for name, child in children.items()}
+                    if children
+                    else {}
+                )
+                parameters: dict[str, torch.Tensor | None] = {}
+                for name, param in source["_parameters"].items():
+                    if param is None:
+                        parameters[name] = None
+                        continue
+                    replica_param = aliases.get(id(param))
+                    if replica_param is None:
+                        replica_param = aliases[id(param)] = (
+                            alias(param) if on_device else _parameter_alias(param, device)
+                        )
+                    parameters[name] = replica_param
+                state["_parameters"] = parameters
+                buffers = source["_buffers"]
+                if not buffers:
+                    state["_buffers"] = {}
+                elif on_device and first:
+                    state["_buffers"] = dict(buffers)
+                else:
+                    state["_buffers"] = {
+                        name: None if buffer is None else _buffer_copy(buffer, device, first)
+                        for name, buffer in buffers.items()
+                    }
+                state["_is_replica"] = True
+            else:
+                _wire(original, shell, shells, position, device, aliases, first=first, direct=False)
+                buffers = source["_buffers"]
+            if kept_buffers is not None and buffers:
+                kept_buffers.append((original, shell))
+            if wrapper or source.get("_compiled_call_impl") is not None:
+                compiled.append((original, shell))
+        for original, shell in compiled:
+            _bind_compiled(original, shell)
+        return shells[0]
 
 
 def replicate(module: nn.Module, devices: Sequence[torch.device]) -> list[nn.Module]:
@@ -84,16 +185,37 @@ def replicate(module: nn.Module, devices: Sequence[torch.device]) -> list[nn.Mod
     return ReplicaCache()(module, devices)
 
 
-def keep_reassigned_buffers(module: nn.Module, first_replica: nn.Module) -> None:
-    """Store on ``module`` the buffers that replica 0 reassigned (``self.count = self.count + 1``).
+def modules_of(module: nn.Module) -> list[nn.Module]:
+    """``list(module.modules())``, in the same order and without repeats, at about half its cost."""
+    found: list[nn.Module] = []
+    seen: set[nn.Module] = set()
+    stack = [module]
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        found.append(current)
+        children = current._modules
+        if children:
+            stack.extend([child for child in reversed(children.values()) if child is not None])
+    return found
 
-    Replica 0 works on the module's own buffers, so its in-place updates persist; a reassignment only rebinds the
-    replica's name, and without this it would be lost at the end of the call.
-    """
-    for original, shell in zip(module.modules(), first_replica.modules(), strict=True):
-        for name, buffer in shell._buffers.items():
-            if original._buffers.get(name, buffer) is not buffer:
-                original._buffers[name] = buffer
+
+def _same_objects(left: list[nn.Module], right: list[nn.Module]) -> bool:
+    return len(left) == len(right) and all(map(operator.is_, left, right))
+
+
+def all_on(modules: list[nn.Module], device: torch.device) -> bool:
+    """Whether every parameter and buffer of ``modules`` (from ``modules_of``) is on ``device`` exactly."""
+    for module in modules:
+        for tensor in module._parameters.values():
+            if tensor is not None and tensor.device != device:
+                return False
+        for buffer in module._buffers.values():
+            if buffer is not None and buffer.device != device:
+                return False
+    return True
 
 
 def assigned_attributes(module: nn.Module, replica: nn.Module, ignore: frozenset[str]) -> list[str]:
@@ -202,11 +324,17 @@ def _bind_compiled(original: nn.Module, shell: nn.Module) -> None:
     shell.__dict__["_compiled_call_impl"] = rebound
 
 
+# ``alias`` rather than ``view_as``: its backward passes the gradient through untouched, so sparse gradients
+# (nn.Embedding(sparse=True)) reach the parameter as they do on one device. Called through the builtin behind the
+# overload (private ``_op``), without the Python frame of ``OpOverload.__call__``, which only forwards to it: a step
+# makes one alias per parameter per replica. A private torch touch point, covered by tests/test_replicate.py.
+_ALIAS_OVERLOAD = torch.ops.aten.alias.default
+_alias: Callable[[torch.Tensor], torch.Tensor] = getattr(_ALIAS_OVERLOAD, "_op", _ALIAS_OVERLOAD)
+
+
 def _parameter_alias(param: torch.Tensor, device: torch.device) -> torch.Tensor:
     if param.device == device:
-        # ``alias`` rather than ``view_as``: its backward passes the gradient through untouched, so sparse gradients
-        # (nn.Embedding(sparse=True)) reach the parameter as they do on one device.
-        return torch.ops.aten.alias.default(param)
+        return _alias(param)
     return param.to(device, non_blocking=True)
 
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from lightning_mgpu.engine import DataParallel, ReplicaOutputs, weighted_mean
-from lightning_mgpu.engine.replicate import assigned_attributes
+from lightning_mgpu.engine.replicate import assigned_attributes, modules_of
 from lightning_mgpu.errors import ConfigurationError
 from lightning_mgpu.hooks import call_step_end, has_step_end
 from lightning_mgpu.strategies._health import StepHealth
@@ -85,10 +85,11 @@ _SET_BY_PREPARE = frozenset({"replica_index", "num_replicas", "manual_backward",
 def prepare_replica(replica: nn.Module, index: int, num_replicas: int, device: torch.device) -> ReplicaLog:
     setattr(replica, "replica_index", index)  # noqa: B010 - nn.Module's typed __setattr__ rejects an int
     setattr(replica, "num_replicas", num_replicas)  # noqa: B010
-    for submodule in replica.modules():
-        if "_device" in vars(submodule):
-            # ``LightningModule.device`` reads the private ``_device`` of Lightning's DeviceDtypeModuleMixin; a
-            # replica's copy must name the replica's device. The only write to it; tests/test_dp.py checks it.
+    for submodule in modules_of(replica):
+        # ``LightningModule.device`` reads the private ``_device`` of Lightning's DeviceDtypeModuleMixin; a replica's
+        # copy must name the replica's device (it already does when the replica shares the module's device). The
+        # only write to it; tests/test_dp.py checks it.
+        if vars(submodule).get("_device", device) != device:
             setattr(submodule, "_device", device)  # noqa: B010
     setattr(replica, "manual_backward", _refuse_manual_backward)  # noqa: B010
     log = ReplicaLog(index, rows=0)
