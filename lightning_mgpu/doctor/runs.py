@@ -1,7 +1,7 @@
 """The runs the doctor compares: one training step on one device, and the same step split across CPU replicas.
 
 The split run goes through the ``DataParallel`` engine exactly as ``mgpu_dp`` runs it. Each run works on a fresh
-deep copy of the model, so the model the user passed is left untouched. A run keeps what ``training_step_end``
+deep copy of the model, so the model passed in is left untouched. A run keeps what ``training_step_end``
 received (the whole batch's output on one device, the replicas' outputs gathered when split), what it returned,
 every gradient and every buffer after the step, so that a difference can be traced to the stage it starts in.
 """

@@ -1,4 +1,4 @@
-"""``mgpu_ddp``: the user's DistributedDataParallel recipe as a Lightning 2.x strategy, with ``*_step_end`` hooks."""
+"""``mgpu_ddp``: the classic DistributedDataParallel recipe as a Lightning 2.x strategy, with ``*_step_end`` hooks."""
 
 from __future__ import annotations
 
@@ -89,11 +89,11 @@ def _release_process_group() -> None:
 
 
 class DDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
-    """One process per device, gradients all-reduced by ``DistributedDataParallel``, the user's defaults built in.
+    """One process per device, gradients all-reduced by ``DistributedDataParallel``, the classic recipe's defaults built in.
 
     Compared with Lightning's ``"ddp"``: on CUDA the process's device is set from its local rank before the process
     group starts and DDP gets ``device_ids=[device]`` and ``output_device=device``; buffers are not broadcast on
-    every forward (the user's ``broadcast_buffers=False``) unless ``broadcast_buffers=True``; the ``*_step_end``
+    every forward (the recipe's ``broadcast_buffers=False``) unless ``broadcast_buffers=True``; the ``*_step_end``
     hooks run after every rank's step with that rank's output, so one LightningModule runs unchanged under
     ``mgpu_dp`` and ``mgpu_ddp``; validation and test count every sample exactly once (no padding duplicates);
     DDP's unused-parameter error names the parameters; a rank whose script ends after ``fit`` exits cleanly
@@ -106,7 +106,7 @@ class DDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
         checkpoint_io: how checkpoints are written and read; Lightning's default when ``None``.
         precision_plugin: the precision plugin.
         broadcast_buffers: broadcast buffers from rank 0 before every forward (and before evaluation); off by
-            default, as in the user's recipe. Passed to DDP under the keyword the installed torch takes.
+            default, as in the classic recipe. Passed to DDP under the keyword the installed torch takes.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; the device's default when ``None``.
         timeout: how long a collective may wait for the other ranks before it fails, so a rank that died makes
             the others exit instead of hanging.
@@ -174,7 +174,7 @@ class DDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
     @override
     def setup_environment(self) -> None:
         if self.root_device.type == "cuda":
-            # The user's recipe: pin this process to its card before anything (NCCL included) touches CUDA.
+            # The classic recipe: pin this process to its card before anything (NCCL included) touches CUDA.
             torch.cuda.set_device(self.root_device)
         super().setup_environment()
         release_process_group_at_exit()
