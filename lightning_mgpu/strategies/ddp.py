@@ -89,7 +89,7 @@ def _release_process_group() -> None:
 
 
 class DDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
-    """One process per device, gradients all-reduced by ``DistributedDataParallel``, the classic recipe's defaults built in.
+    """One process per device, gradients all-reduced by ``DistributedDataParallel``, with the classic recipe built in.
 
     Compared with Lightning's ``"ddp"``: on CUDA the process's device is set from its local rank before the process
     group starts and DDP gets ``device_ids=[device]`` and ``output_device=device``; buffers are not broadcast on
