@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from lightning_mgpu.engine.scatter import (
+    FIT_CONFLICT,
+    FIT_FREE,
+    FIT_MARKED,
+    FIT_ROWS,
     Fields,
     LayoutMemory,
     PerSample,
+    combine_fits,
     field_values,
     is_dataclass_instance,
     is_namedtuple,
@@ -31,7 +36,6 @@ _FIX = (
 # How a list item would merge if the list were gathered item by item: like rows or a per-replica value, as no
 # tensor (None, numbers), not at all (a string, a tensor whose rows are not the chunk's), or as a PerSample or
 # Fields, which a step returns only for whole-batch data (so the list around it is gathered item by item).
-_ROWS, _FREE, _CONFLICT, _MARKED = "rows", "free", "conflict", "marked"
 
 
 def gather(
@@ -155,9 +159,9 @@ def _one_item_per_row(outputs: Sequence[Any], sizes: list[int], memory: LayoutMe
         per_row = True  # item by item needs the same length in every replica
     else:
         fits = {_fit(item, size) for output, size in zip(outputs, sizes, strict=True) for item in output}
-        if _MARKED in fits:
+        if FIT_MARKED in fits:
             per_row = False
-        elif _CONFLICT in fits or _ROWS not in fits:
+        elif FIT_CONFLICT in fits or FIT_ROWS not in fits:
             per_row = True  # items that cannot be gathered one by one, or values such as ids: one per row
         else:
             # Tensors with the chunk's rows (``logits, features`` or an LSTM's ``out, (h, c)``) are gathered item by
@@ -171,21 +175,21 @@ def _one_item_per_row(outputs: Sequence[Any], sizes: list[int], memory: LayoutMe
 def _fit(obj: Any, rows: int) -> str:
     """How ``obj`` would merge as an item of a list gathered item by item, in a replica with ``rows`` rows."""
     if isinstance(obj, torch.Tensor):
-        return _ROWS if obj.dim() == 0 or obj.shape[0] == rows else _CONFLICT
+        return FIT_ROWS if obj.dim() == 0 or obj.shape[0] == rows else FIT_CONFLICT
     if obj is None or _category(obj) == "number":
-        return _FREE
+        return FIT_FREE
     if isinstance(obj, (PerSample, Fields)):
-        return _MARKED
+        return FIT_MARKED
     if isinstance(obj, Mapping):
-        return _combine(_fit(value, rows) for value in obj.values())
+        return combine_fits(_fit(value, rows) for value in obj.values())
     if is_dataclass_instance(obj):
-        return _combine(_fit(value, rows) for _, value in field_values(obj))
+        return combine_fits(_fit(value, rows) for _, value in field_values(obj))
     if isinstance(obj, (list, tuple)):
         fits = [_fit(value, rows) for value in obj]
-        if len(obj) == rows and not is_namedtuple(obj) and _MARKED not in fits:
-            return _ROWS if _holds_tensor(obj) else _FREE  # it merges either way, as rows or as items
-        return _combine(fits)
-    return _CONFLICT
+        if len(obj) == rows and not is_namedtuple(obj) and FIT_MARKED not in fits:
+            return FIT_ROWS if _holds_tensor(obj) else FIT_FREE  # it merges either way, as rows or as items
+        return combine_fits(fits)
+    return FIT_CONFLICT
 
 
 def _holds_tensor(obj: Any) -> bool:
@@ -198,18 +202,6 @@ def _holds_tensor(obj: Any) -> bool:
     if isinstance(obj, (list, tuple)):
         return any(_holds_tensor(value) for value in obj)
     return False
-
-
-def _combine(fits: Iterable[str]) -> str:
-    result = _FREE
-    for fit in fits:
-        if fit == _MARKED:
-            return _MARKED
-        if fit == _CONFLICT:
-            result = _CONFLICT
-        elif fit == _ROWS and result == _FREE:
-            result = _ROWS
-    return result
 
 
 def _gather_tensors(tensors: Sequence[torch.Tensor], device: torch.device, path: str) -> torch.Tensor:

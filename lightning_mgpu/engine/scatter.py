@@ -225,7 +225,8 @@ _ATOMS = (str, bytes, int, float)
 
 # How a value would read as batch data with N rows: it carries rows, holds no tensor, cannot be split by rows, or
 # holds a PerSample or Fields marker, which only batch data can (so the list around it is a container).
-_ROWS, _FREE, _CONFLICT, _MARKED = "rows", "free", "conflict", "marked"
+FIT_ROWS, FIT_FREE, FIT_CONFLICT, FIT_MARKED = "rows", "free", "conflict", "marked"
+"""How a value could be read when a list holding it is split or gathered by items (shared with ``gather``)."""
 
 # Plans: how `_take` cuts a value for one replica, decided once per batch.
 _SPLIT, _WHOLE, _ITEMS, _MAPPING, _DATACLASS, _NAMEDTUPLE, _SEQUENCE = range(7)
@@ -337,9 +338,9 @@ class _Planner:
         if remembered is not None:
             return remembered
         fits = {_fit(item, self.rows) for item in obj}
-        if _MARKED in fits:
+        if FIT_MARKED in fits:
             per_sample = False
-        elif _CONFLICT in fits or _ROWS not in fits:
+        elif FIT_CONFLICT in fits or FIT_ROWS not in fits:
             per_sample = True
         elif self.chunks == 1:
             return False  # one chunk gets the whole list either way
@@ -364,30 +365,31 @@ class _Planner:
 def _fit(obj: Any, rows: int) -> str:
     """How ``obj`` would read as batch data with ``rows`` rows; pure, so items of a per-sample list leave no trace."""
     if isinstance(obj, torch.Tensor):
-        return _ROWS if obj.dim() > 0 and obj.shape[0] == rows else _CONFLICT
+        return FIT_ROWS if obj.dim() > 0 and obj.shape[0] == rows else FIT_CONFLICT
     if isinstance(obj, (PerSample, Fields)):
-        return _MARKED
+        return FIT_MARKED
     if isinstance(obj, Mapping):
-        return _combine(_fit(value, rows) for value in obj.values())
+        return combine_fits(_fit(value, rows) for value in obj.values())
     if is_dataclass_instance(obj):
-        return _combine(_fit(value, rows) for _, value in field_values(obj))
+        return combine_fits(_fit(value, rows) for _, value in field_values(obj))
     if isinstance(obj, (list, tuple)):
         fits = [_fit(value, rows) for value in obj]
-        if len(obj) == rows and not is_namedtuple(obj) and _MARKED not in fits:
-            return _FREE if all(fit == _FREE for fit in fits) else _ROWS  # it carries the rows either way
-        return _combine(fits)
-    return _FREE
+        if len(obj) == rows and not is_namedtuple(obj) and FIT_MARKED not in fits:
+            return FIT_FREE if all(fit == FIT_FREE for fit in fits) else FIT_ROWS  # it carries the rows either way
+        return combine_fits(fits)
+    return FIT_FREE
 
 
-def _combine(fits: Iterable[str]) -> str:
-    result = _FREE
+def combine_fits(fits: Iterable[str]) -> str:
+    """How a container of items with these fits merges: a marker decides, a conflict beats rows, rows beat free."""
+    result = FIT_FREE
     for fit in fits:
-        if fit == _MARKED:
-            return _MARKED
-        if fit == _CONFLICT:
-            result = _CONFLICT
-        elif fit == _ROWS and result == _FREE:
-            result = _ROWS
+        if fit == FIT_MARKED:
+            return FIT_MARKED
+        if fit == FIT_CONFLICT:
+            result = FIT_CONFLICT
+        elif fit == FIT_ROWS and result == FIT_FREE:
+            result = FIT_ROWS
     return result
 
 
