@@ -8,7 +8,7 @@ Variants, each a fresh run on the same model (same seed), data and optimizer, ti
 - ``mgpu_dp``: ``strategy="mgpu_dp"`` with one replica per device (on the CPU: 2 virtual replicas, one intra-op
   thread each);
 - ``raw``: a hand-written loop on one device, no Lightning;
-- ``raw_engine``: the same loop through ``lightning_mgpu.engine.DataParallel`` (the engine without Lightning);
+- ``raw_engine``: the same loop through ``lightning_mgpu.engine.MGPUDataParallel`` (the engine without Lightning);
 - ``torch_dp`` (CUDA only): the same loop through ``torch.nn.DataParallel``.
 
 Every variant processes the same global batch per step (the per-device batch times the number of replicas), so step
@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 
 from benchmarks.models import Clocked, Mode, ModelSpec, ReplicaClock, build_net, dataset, optimizer, typical_step
 from benchmarks.modules import BenchModule, MixinBenchModule, StepTimer, quiet_lightning, trainer_for
-from lightning_mgpu.engine import DataParallel
+from lightning_mgpu.engine import MGPUDataParallel
 from lightning_mgpu.engine.data_parallel import PHASES
 
 CPU_VARIANTS = ("single", "single_2t", "mixin", "mgpu_dp", "raw", "raw_engine")
@@ -106,7 +106,7 @@ def _hand_written(variant: str, spec: ModelSpec, devices: list[torch.device]) ->
     net = build_net(spec).to(root)
     model: torch.nn.Module = Clocked(net, clock)
     if variant == "raw_engine":
-        model = DataParallel(model, devices, time_phases=True)
+        model = MGPUDataParallel(model, devices, time_phases=True)
     elif variant == "torch_dp":
         model = torch.nn.DataParallel(model, device_ids=[device.index for device in devices])
     optim = optimizer(net.parameters())
@@ -135,11 +135,11 @@ def _hand_written(variant: str, spec: ModelSpec, devices: list[torch.device]) ->
         phase_marks.append(dict(getattr(model, "phase_seconds", {})))
         marks.append(time.perf_counter())
     finally:
-        if isinstance(model, DataParallel):
+        if isinstance(model, MGPUDataParallel):
             model.close()
     durations = [end - start for start, end in itertools.pairwise(marks)]
     result = _summary(durations, batch, cuda)
-    if isinstance(model, DataParallel):
+    if isinstance(model, MGPUDataParallel):
         phases = {name: [end[name] - start[name] for start, end in itertools.pairwise(phase_marks)] for name in PHASES}
         compute = clock.critical_path(spec.warmup, steps - 1)
         engine = [sum(parts) for parts in zip(*phases.values(), strict=True)]

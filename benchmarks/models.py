@@ -219,7 +219,7 @@ def typical_step(durations: list[float], cuda: bool) -> float:
 class Clocked(nn.Module):
     """Wraps a bare net for the hand-written loops: records each forward on ``clock`` under ``clock.step``.
 
-    The engines replicate this module, so in ``lightning_mgpu.engine.DataParallel`` and ``torch.nn.DataParallel``
+    The engines replicate this module, so in ``lightning_mgpu.engine.MGPUDataParallel`` and ``torch.nn.DataParallel``
     every replica's forward is timed inside its own thread, as ``BenchModule.training_step`` is under ``mgpu_dp``.
     """
 

@@ -15,7 +15,7 @@ from typing_extensions import override
 
 from benchmarks.models import ModelSpec, ReplicaClock, build_net, loss_of, optimizer
 from lightning_mgpu import MGPUMixin
-from lightning_mgpu.engine import DataParallel
+from lightning_mgpu.engine import MGPUDataParallel
 
 
 class BenchModule(L.LightningModule):
@@ -67,7 +67,7 @@ class StepTimer(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._cuda = pl_module.device.type == "cuda"
         strategy = trainer.strategy
-        if isinstance(strategy.model, DataParallel):
+        if isinstance(strategy.model, MGPUDataParallel):
             strategy.model.time_phases = True
             strategy.training_step = self._timed(strategy.training_step)  # type: ignore[method-assign]
 
@@ -140,7 +140,7 @@ class StepTimer(L.Callback):
 
 def _phases(trainer: L.Trainer) -> dict[str, float]:
     model = trainer.strategy.model
-    return dict(model.phase_seconds) if isinstance(model, DataParallel) else {}
+    return dict(model.phase_seconds) if isinstance(model, MGPUDataParallel) else {}
 
 
 def quiet_lightning() -> None:

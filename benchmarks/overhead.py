@@ -1,9 +1,9 @@
-"""The engine's own cost per step: ``DataParallel`` with N virtual CPU replicas against the same N chunks in turn.
+"""The engine's own cost per step: ``MGPUDataParallel`` with N virtual CPU replicas against the same N chunks in turn.
 
 A proxy that makes the engine's Python work the whole difference: one intra-op thread, an ``nn.Sequential`` of
 ``Linear(4, 4)`` layers (depth 1 and 16), 8 rows, and per call a forward, a backward and an SGD step. Per case:
 
-- ``engine``: ``DataParallel(net, [cpu] * N)(x)``, then the loss, its backward and the optimizer step;
+- ``engine``: ``MGPUDataParallel(net, [cpu] * N)(x)``, then the loss, its backward and the optimizer step;
 - ``sequential``: the same N chunks of the same rows run one after another on ``net`` in the calling thread, the
   outputs concatenated, then the same loss, backward and step (with N = 1: ``net(x)``, the plain module).
 
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_mgpu.engine import DataParallel
+from lightning_mgpu.engine import MGPUDataParallel
 
 DEPTHS = (1, 16)
 REPLICAS = (1, 2, 4)
@@ -68,7 +68,7 @@ class _Case:
         self.modules = len(list(self.net.modules()))
         self.optimizer = torch.optim.SGD(self.net.parameters(), lr=1e-3)
         self.x = torch.randn(ROWS, FEATURES, generator=torch.Generator().manual_seed(depth))
-        self.wrapper = DataParallel(self.net, [torch.device("cpu")] * replicas)
+        self.wrapper = MGPUDataParallel(self.net, [torch.device("cpu")] * replicas)
 
     def engine(self) -> None:
         self._learn(self.wrapper(self.x))

@@ -40,18 +40,18 @@ KEY_FUNCTIONS = (
     ("strategies/_resume.py", "__iter__"),
 )
 LABELS = (
-    ("lightning_mgpu.strategies.dp", "DataParallelStrategy._parallel_step", "mgpu::strategy_step"),
+    ("lightning_mgpu.strategies.dp", "MGPUDPStrategy._parallel_step", "mgpu::strategy_step"),
     ("lightning_mgpu.engine.data_parallel", "scatter", "mgpu::scatter"),
     ("lightning_mgpu.engine.replicate", "ReplicaCache.__call__", "mgpu::replicate"),
-    ("lightning_mgpu.strategies._replica_step", "prepare_replica", "mgpu::prepare_replica"),
-    ("lightning_mgpu.engine.data_parallel", "DataParallel._synchronise_batchnorms", "mgpu::batchnorm_setup"),
+    ("lightning_mgpu.step.replicas", "prepare_replica", "mgpu::prepare_replica"),
+    ("lightning_mgpu.engine.data_parallel", "MGPUDataParallel._synchronise_batchnorms", "mgpu::batchnorm_setup"),
     ("lightning_mgpu.engine.parallel_apply", "ParallelApply.__call__", "mgpu::parallel_apply"),
     ("lightning_mgpu.engine.parallel_apply", "_Job.run", "mgpu::replica_thread"),
     ("benchmarks.modules", "BenchModule.training_step", "mgpu::replica_step_body"),
     ("lightning_mgpu.engine.replicate", "ReplicaCache.keep_reassigned_buffers", "mgpu::keep_buffers"),
-    ("lightning_mgpu.strategies._replica_step", "replay", "mgpu::log_replay"),
-    ("lightning_mgpu.engine.data_parallel", "DataParallel.gather", "mgpu::gather"),
-    ("lightning_mgpu.strategies._replica_step", "_reduce_loss", "mgpu::reduce_loss"),
+    ("lightning_mgpu.step.replicas", "replay", "mgpu::log_replay"),
+    ("lightning_mgpu.engine.data_parallel", "MGPUDataParallel.gather", "mgpu::gather"),
+    ("lightning_mgpu.step.replicas", "_reduce_loss", "mgpu::reduce_loss"),
 )
 """(module, attribute path, label): what ``labelled`` wraps for a profiled ``mgpu_dp`` run, in step order."""
 Function = tuple[str, int, str]

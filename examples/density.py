@@ -365,7 +365,7 @@ def main(args: Sequence[str] | None = None) -> int:
     """
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))  # so examples.density resolves whatever the current directory
-    from lightning_mgpu.lightning_cli import run_with_classes
+    from lightning_mgpu.cli.lightning_cli import run_with_classes
 
     if args is None:
         lightning_mgpu.parse_local_rank()  # torch.distributed.launch passes --local-rank=N before the arguments

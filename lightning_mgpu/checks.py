@@ -1,12 +1,36 @@
-"""Configuration checks shared by the strategies, run before any process starts or any step runs."""
+"""Checks run before any process starts or any step runs: the configuration's devices and the model's structure.
+
+Each finding names the attribute and the fix. Errors stop ``fit`` under the ``mgpu_*`` strategies; warnings are
+shown once. The doctor runs the same model checks.
+
+The checks judge only what the user wrote. torch, torchmetrics and Lightning keep bookkeeping of their own in plain
+attributes (an RNN's list of its flat weights, the tensor that ``weight_norm`` recomputes before every forward, a
+metric's states) and handle it themselves; flagging it would refuse stock models and give advice that breaks them.
+An attribute is theirs when a class of theirs in the module's MRO stores it (read from that class's source, so a
+subclass of ``nn.LSTM`` in your code inherits the exemption for ``_flat_weights`` but not for what the subclass
+adds), when a forward pre-hook of theirs recomputes it (``weight_norm``, ``spectral_norm``, ``torch.nn.utils.prune``),
+or when Lightning puts it on every module. The same plain list written in your code, even one that only repeats
+registered parameters, is still a finding: replicas would read the original tensors through it.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import ast
+import functools
+import inspect
+import textwrap
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
 
+import lightning.pytorch as pl
 import torch
+from torch import nn
+from torchmetrics import Metric
 
-from lightning_mgpu.errors import ConfigurationError
+from lightning_mgpu._compat import names_rewritten_by_hooks
+from lightning_mgpu.errors import ConfigurationError, ModelCheckError
 
 
 def check_devices_exist(devices: Sequence[torch.device], strategy_name: str) -> None:
@@ -77,3 +101,242 @@ def _gpus_asked_for(devices: object) -> int | list[int] | None:
     if isinstance(devices, (list, tuple)) and devices and all(isinstance(index, int) for index in devices):
         return sorted(set(devices))
     return None
+
+
+# Model checks: multi-GPU traps that show in a model's structure.
+# Packages whose classes and utilities look after the attributes they store; the checks judge everything else.
+_STOCK_PACKAGES = frozenset({"torch", "torchmetrics", "lightning", "pytorch_lightning", "lightning_fabric"})
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One problem found in a model.
+
+    Attributes:
+        level: ``"error"`` stops the run; ``"warning"`` is reported and the run goes on.
+        check: a short stable name for the kind of problem (``"plain-container"``, ``"unregistered-tensor"``, ...).
+        where: the attribute path, for example ``"encoder.heads"``.
+        message: what is wrong and how to fix it.
+    """
+
+    level: Literal["error", "warning"]
+    check: str
+    where: str
+    message: str
+
+
+def check_model(module: nn.Module) -> list[Finding]:
+    """Every structural multi-GPU trap that your code put in ``module`` and its submodules.
+
+    Where an attribute came from is only worked out for the few attributes that would be findings, so a clean model
+    costs one pass over its modules' attributes.
+    """
+    findings: list[Finding] = []
+    baseline = _baseline()
+    for prefix, submodule in module.named_modules():
+        if isinstance(submodule, Metric):
+            continue  # torchmetrics keeps its states as attributes on purpose and moves them itself
+        for name, value in vars(submodule).items():
+            if name in baseline:
+                continue
+            where = f"{prefix}.{name}" if prefix else name
+            found = _check_attribute(where, value)
+            if found and not _stored_by_stock_code(submodule, name):
+                findings.extend(found)
+    findings.extend(
+        Finding(
+            "error",
+            "uninitialized-parameter",
+            name,
+            f"`{name}` belongs to a lazy module that has not run yet, so it has no shape to replicate or all-reduce."
+            " Run one forward pass on a batch before fit (in __init__ or setup, e.g. self(example_batch)), or give"
+            " the layer its input size (nn.Linear(in_features, ...) instead of nn.LazyLinear).",
+        )
+        for name, parameter in module.named_parameters()
+        if nn.parameter.is_lazy(parameter)
+    )
+    return findings
+
+
+def report(findings: list[Finding], strategy_name: str) -> None:
+    """Raise one error listing every error-level finding; warn once per warning-level finding."""
+    for finding in findings:
+        if finding.level == "warning":
+            warnings.warn(f"{strategy_name}: {finding.message}", UserWarning, stacklevel=3)
+    errors = [finding for finding in findings if finding.level == "error"]
+    if errors:
+        listing = "\n".join(f"- {finding.message}" for finding in errors)
+        raise ModelCheckError(
+            f"{strategy_name} found {len(errors)} problem(s) in the model before training:\n{listing}"
+        )
+
+
+@functools.cache
+def _baseline() -> frozenset[str]:
+    """Attribute names that torch and Lightning give every module, learnt by building one on first use.
+
+    ``save_hyperparameters`` runs too, because Lightning stores part of what it saves (``_hparams_initial``) from a
+    function outside the class, where reading the class's source would not find it.
+    """
+    lightning_module = pl.LightningModule()
+    lightning_module.save_hyperparameters({"baseline": 0})
+    return frozenset(vars(nn.Module())) | frozenset(vars(lightning_module))
+
+
+def _stored_by_stock_code(module: nn.Module, name: str) -> bool:
+    """Whether attribute ``name`` of ``module`` is kept by torch, torchmetrics or Lightning rather than by the user."""
+    if name in names_rewritten_by_hooks(module, _is_stock):
+        return True
+    for cls in type(module).__mro__:
+        if _is_stock(cls):
+            names = _names_stored_by(cls)
+            if names is None or name in names:
+                return True
+    return False
+
+
+def _is_stock(cls: type) -> bool:
+    module_name = getattr(cls, "__module__", None)
+    return isinstance(module_name, str) and module_name.partition(".")[0] in _STOCK_PACKAGES
+
+
+@functools.cache
+def _names_stored_by(cls: type) -> frozenset[str] | None:
+    """Attribute names that the methods of ``cls`` store on the instance, read from the source of ``cls`` itself.
+
+    Returns ``None`` when some method's source cannot be read (an install without sources); every attribute of an
+    instance is then given the benefit of the doubt, since a false error would stop a correct model.
+    """
+    names: set[str] = set()
+    for function in _functions_of(cls):
+        try:
+            source = textwrap.dedent(inspect.getsource(function))
+            tree = ast.parse(f"if True:\n{source}" if source[:1].isspace() else source)
+        except (OSError, TypeError, SyntaxError):
+            return None
+        names.update(_names_stored_on_first_argument(tree, f"_{cls.__name__.lstrip('_')}"))
+    return frozenset(names)
+
+
+def _functions_of(cls: type) -> Iterator[Any]:
+    """The Python functions defined in ``cls`` that receive the instance: methods and property accessors."""
+    for value in vars(cls).values():
+        if isinstance(value, (staticmethod, classmethod)):
+            continue
+        accessors = (value.fget, value.fset, value.fdel) if isinstance(value, property) else (value,)
+        for accessor in accessors:
+            if callable(accessor):
+                function = inspect.unwrap(accessor)
+                if inspect.isfunction(function):
+                    yield function
+
+
+def _names_stored_on_first_argument(tree: ast.AST, private_prefix: str) -> set[str]:
+    """Names stored on the first argument of the first function in ``tree``, in any of the ways Python allows.
+
+    Covers ``self.x = ...`` (also augmented, annotated, unpacked and loop targets; ``self.__x`` under its mangled
+    name, with ``private_prefix``), ``setattr(self, "x", ...)``, ``object.__setattr__(self, "x", ...)``,
+    ``super().__setattr__("x", ...)`` and ``self.__dict__["x"] = ...``.
+    """
+    function = next(
+        (node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))),
+        None,
+    )
+    if function is None:
+        return set()
+    arguments = [*function.args.posonlyargs, *function.args.args]
+    if not arguments:
+        return set()
+    owner = arguments[0].arg
+    names: set[str] = set()
+    for node in ast.walk(function):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and _is_name(node.value, owner):
+            private = node.attr.startswith("__") and not node.attr.endswith("__")
+            names.add(f"{private_prefix}{node.attr}" if private else node.attr)
+        elif (
+            isinstance(node, ast.Subscript)
+            and isinstance(node.ctx, ast.Store)
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "__dict__"
+            and _is_name(node.value.value, owner)
+        ):
+            names.update(_literal(node.slice))
+        elif isinstance(node, ast.Call) and len(node.args) >= 2:
+            names.update(_name_set_by_call(node, owner))
+    return names
+
+
+def _name_set_by_call(call: ast.Call, owner: str) -> list[str]:
+    """The literal name that ``setattr``/``__setattr__`` stores on ``owner`` in ``call``, if it is one."""
+    func, first, second = call.func, call.args[0], call.args[1]
+    if _is_name(func, "setattr") or (isinstance(func, ast.Attribute) and func.attr == "__setattr__"):
+        if _is_name(first, owner):  # setattr(self, "x", v), object.__setattr__(self, "x", v)
+            return _literal(second)
+        bound_to_owner = isinstance(func, ast.Attribute) and (
+            _is_name(func.value, owner) or (isinstance(func.value, ast.Call) and _is_name(func.value.func, "super"))
+        )
+        if bound_to_owner:  # super().__setattr__("x", v), self.__setattr__("x", v)
+            return _literal(first)
+    return []
+
+
+def _literal(node: ast.AST) -> list[str]:
+    return [node.value] if isinstance(node, ast.Constant) and isinstance(node.value, str) else []
+
+
+def _is_name(node: ast.AST, name: str) -> bool:
+    return isinstance(node, ast.Name) and node.id == name
+
+
+def _check_attribute(where: str, value: Any) -> list[Finding]:
+    if isinstance(value, torch.Tensor):
+        return [
+            Finding(
+                "warning",
+                "unregistered-tensor",
+                where,
+                f"`{where}` is a tensor but neither a parameter nor a buffer, so `.to()` does not move it and every"
+                f" replica shares the one on {value.device}. Register it:"
+                f" `self.register_buffer('{where.split('.')[-1]}', tensor)` (or `nn.Parameter` if it is trained),"
+                " or create it inside the step on the input's device.",
+            )
+        ]
+    if isinstance(value, (list, tuple, set, Mapping)) and not isinstance(value, (nn.Module, str)):
+        kinds = sorted({_kind(item) for item in _leaves(value)} - {""})
+        if kinds:
+            container = type(value).__name__
+            modules = "module" in kinds
+            suggestion = "nn.ModuleList / nn.ModuleDict" if modules else "nn.ParameterList / nn.ParameterDict"
+            return [
+                Finding(
+                    "error",
+                    "plain-container",
+                    where,
+                    f"`{where}` is a plain Python {container} holding {' and '.join(kinds)}s, which are not trained,"
+                    f" saved, moved to the device or replicated. Use {suggestion}, or register each one with"
+                    f" `lightning_mgpu.register_parameters(self, '{where.split('.')[-1]}', params)` /"
+                    " `self.register_buffer(...)`.",
+                )
+            ]
+    return []
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, nn.Parameter):
+        return "parameter"
+    if isinstance(value, nn.Module):
+        return "module"
+    if isinstance(value, torch.Tensor):
+        return "tensor"
+    return ""
+
+
+def _leaves(value: Any, depth: int = 0) -> Iterator[Any]:
+    if depth > 4:
+        return
+    items = value.values() if isinstance(value, Mapping) else value
+    for item in items:
+        if isinstance(item, (list, tuple, set, Mapping)) and not isinstance(item, (nn.Module, str)):
+            yield from _leaves(item, depth + 1)
+        else:
+            yield item

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_mgpu.hooks import CALLER_RUNS_STEP_END, STEP_END_HOOKS
-from lightning_mgpu.placement import to_device_of
+from lightning_mgpu.helpers import to_device_of
+from lightning_mgpu.step.hooks import CALLER_RUNS_STEP_END, STEP_END_HOOKS
 
 
 class MGPUMixin:

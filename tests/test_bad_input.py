@@ -22,9 +22,9 @@ from torch import nn
 from lightning_mgpu import (
     BatchSplitError,
     ConfigurationError,
-    DataParallelStrategy,
-    DDPStrategy,
     GatherError,
+    MGPUDDPStrategy,
+    MGPUDPStrategy,
     ModelCheckError,
     register_parameters,
     to_device_of,
@@ -193,10 +193,10 @@ CASES: dict[str, Case] = {
         r"num_nodes=2.*Use strategy='mgpu_ddp'",
     ),
     "missing CUDA devices (mgpu_dp)": Case(
-        _missing_cuda(DataParallelStrategy), ConfigurationError, None, r"has 0 CUDA device\(s\).*accelerator='cpu'",
+        _missing_cuda(MGPUDPStrategy), ConfigurationError, None, r"has 0 CUDA device\(s\).*accelerator='cpu'",
     ),
     "missing CUDA devices (mgpu_ddp)": Case(
-        _missing_cuda(DDPStrategy), ConfigurationError, None, r"mgpu_ddp was asked.*accelerator='cpu'",
+        _missing_cuda(MGPUDDPStrategy), ConfigurationError, None, r"mgpu_ddp was asked.*accelerator='cpu'",
     ),
     "a replica that raises": Case(
         lambda: _fit_dp(_model(training_step=_raise_in_replica)), KeyError, None,
@@ -232,7 +232,7 @@ CASES: dict[str, Case] = {
         ConfigurationError, None, r"takes a dataloader iterator.*\(self, batch, batch_idx\)",
     ),
     "strategy used before a Trainer set it up": Case(
-        lambda: DataParallelStrategy().root_device, ConfigurationError, None, r"no devices yet; pass it to a Trainer",
+        lambda: MGPUDPStrategy().root_device, ConfigurationError, None, r"no devices yet; pass it to a Trainer",
     ),
     "register_parameters over an existing name": Case(
         lambda: _register_twice(), ConfigurationError, None, r"already has an attribute 'H_0'; choose another prefix",

@@ -10,7 +10,7 @@ import torch
 from models import Regressor, assert_same_parameters, loader, parameters, regression_data, trainer
 from torch import nn
 
-from lightning_mgpu import DataParallel, DataParallelStrategy
+from lightning_mgpu import MGPUDataParallel, MGPUDPStrategy
 
 
 @pytest.fixture
@@ -63,7 +63,7 @@ def test_outputs_gradients_and_running_statistics_equal_one_device(name: str, de
     parallel = make()
     expected = single(x)
     expected.pow(3).sum().backward()
-    wrapper = DataParallel(parallel, [torch.device("cpu")] * devices)
+    wrapper = MGPUDataParallel(parallel, [torch.device("cpu")] * devices)
     try:
         output = wrapper(x)
         output.pow(3).sum().backward()
@@ -81,7 +81,7 @@ def test_without_the_exchange_each_chunk_is_normalised_on_its_own() -> None:
     torch.manual_seed(0)
     model = nn.BatchNorm1d(3)
     x = torch.randn(6, 3) * 2
-    wrapper = DataParallel(model, [torch.device("cpu")] * 2, sync_batchnorm=False)
+    wrapper = MGPUDataParallel(model, [torch.device("cpu")] * 2, sync_batchnorm=False)
     try:
         output = wrapper(x)
     finally:
@@ -99,7 +99,7 @@ def test_a_layer_skipped_by_one_replica_is_an_error_not_a_hang() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.bn(x) if x.shape[0] > 2 else x
 
-    wrapper = DataParallel(Conditional(), [torch.device("cpu")] * 2)
+    wrapper = MGPUDataParallel(Conditional(), [torch.device("cpu")] * 2)
     try:
         with pytest.raises(RuntimeError, match=r"BatchNorm layer `bn` \(call 1\) ran in replica 0 but replica\(s\) 1"):
             wrapper(torch.randn(5, 4))
@@ -118,7 +118,7 @@ def test_the_error_of_the_failing_replica_is_reported_and_nobody_waits() -> None
                 raise ValueError("bad chunk")
             return self.bn(x)
 
-    wrapper = DataParallel(Failing(), [torch.device("cpu")] * 2)
+    wrapper = MGPUDataParallel(Failing(), [torch.device("cpu")] * 2)
     try:
         with pytest.raises(ValueError, match="bad chunk") as caught:
             wrapper(torch.randn(5, 4))
@@ -152,13 +152,13 @@ def test_switching_the_exchange_off_warns_and_differs() -> None:
     _fit(single)
     expected = r"BatchNorm layers \(net\.1\) normalise each replica's chunk.*This is sync_batchnorm=False"
     with pytest.warns(UserWarning, match=expected):
-        _fit(parallel, devices=2, strategy=DataParallelStrategy(sync_batchnorm=False))
+        _fit(parallel, devices=2, strategy=MGPUDPStrategy(sync_batchnorm=False))
     difference = (parameters(single)["net.1.running_mean"] - parameters(parallel)["net.1.running_mean"]).abs()
     assert difference.max() > 1e-4
 
 
 def test_ddp_names_batchnorm_layers_that_train_on_the_rank_batch_only() -> None:
-    from lightning_mgpu.strategies._health import StepHealth
+    from lightning_mgpu.step.health import StepHealth
 
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.BatchNorm1d(4).eval(), nn.SyncBatchNorm(4))
     with pytest.warns(UserWarning, match=r"mgpu_ddp: the BatchNorm layers \(1\) normalise each rank's batch.*sync_bat"):

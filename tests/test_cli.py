@@ -28,7 +28,7 @@ import yaml
 
 import lightning_mgpu
 from lightning_mgpu.cli import main
-from lightning_mgpu.lightning_cli import MGPULightningCLI
+from lightning_mgpu.cli.lightning_cli import MGPULightningCLI
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -105,7 +105,7 @@ def _plain_argv(monkeypatch: pytest.MonkeyPatch) -> None:
 LAUNCHES: dict[str, tuple[list[str], str]] = {
     # strategy: mgpu_ddp as a string in YAML
     "ddp_cpu.yaml": (["-m", "lightning_mgpu", "fit", "--config", "configs/ddp_cpu.yaml", *SMALL_DENSITY], "root"),
-    # strategy: {class_path: lightning_mgpu.DDPStrategy, init_args: {...}} in YAML, the GPU config moved to the CPU
+    # strategy: {class_path: lightning_mgpu.MGPUDDPStrategy, init_args: {...}} in YAML, the GPU config moved to the CPU
     "ddp_gpu.yaml": (
         ["-m", "lightning_mgpu", "fit", "--config", "configs/ddp_gpu.yaml", "--trainer.accelerator", "cpu"]
         + SMALL_DENSITY,
@@ -118,9 +118,16 @@ LAUNCHES: dict[str, tuple[list[str], str]] = {
         "elsewhere",
     ),
     # the classifier script switched to mgpu_ddp by class path on the command line
-    "examples/classifier.py --trainer.strategy lightning_mgpu.DDPStrategy": (
+    "examples/classifier.py --trainer.strategy lightning_mgpu.MGPUDDPStrategy": (
         [str(ROOT / "examples" / "classifier.py"), "fit", "--config", str(CONFIGS / "classifier.yaml")]
-        + ["--trainer.strategy", "lightning_mgpu.DDPStrategy", "--trainer.devices", "2", "--trainer.max_epochs", "1"],
+        + [
+            "--trainer.strategy",
+            "lightning_mgpu.MGPUDDPStrategy",
+            "--trainer.devices",
+            "2",
+            "--trainer.max_epochs",
+            "1",
+        ],
         "elsewhere",
     ),
     "README usage": (["readme_usage.py"], "elsewhere"),
@@ -141,7 +148,8 @@ DDP_STEPS = {
     "ddp_cpu.yaml": 4,
     "ddp_gpu.yaml": 4,
     "examples/density.py --trainer.strategy mgpu_ddp": 2,  # 1000 samples per rank in batches of 500
-    "examples/classifier.py --trainer.strategy lightning_mgpu.DDPStrategy": 12,  # 719 images per rank, batches of 64
+    # 719 images per rank, batches of 64
+    "examples/classifier.py --trainer.strategy lightning_mgpu.MGPUDDPStrategy": 12,
 }
 
 
@@ -258,7 +266,7 @@ def test_mgpu_dp_configs_run(
     )
     summary = parse_summary(capsys.readouterr().out)
 
-    assert isinstance(cli.trainer.strategy, lightning_mgpu.DataParallelStrategy)
+    assert isinstance(cli.trainer.strategy, lightning_mgpu.MGPUDPStrategy)
     assert cli.trainer.num_devices == 2
     assert summary.steps == cli.trainer.global_step == 2
     assert math.isfinite(summary.metrics[metric])
@@ -279,7 +287,7 @@ def test_ddp_gpu_config_gives_the_strategy_by_class_path(capsys: pytest.CaptureF
         main(["fit", "--config", str(CONFIGS / "ddp_gpu.yaml"), "--print_config"])
     trainer = yaml.safe_load(capsys.readouterr().out)["trainer"]
     assert (trainer["accelerator"], trainer["devices"]) == ("gpu", 2)
-    assert trainer["strategy"]["class_path"] == "lightning_mgpu.DDPStrategy"
+    assert trainer["strategy"]["class_path"] == "lightning_mgpu.MGPUDDPStrategy"
     assert trainer["strategy"]["init_args"]["find_unused_parameters"] is False
     assert trainer["strategy"]["init_args"]["broadcast_buffers"] is False
 
@@ -308,11 +316,11 @@ def test_mgpu_ddp_runs_two_processes(launch: str, launches: dict[str, Launch]) -
 
 def test_strategy_by_name_or_class_path_trains_alike(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     class_path_config = tmp_path / "class_path.yaml"
-    class_path_config.write_text("trainer:\n  strategy:\n    class_path: lightning_mgpu.DataParallelStrategy\n")
+    class_path_config.write_text("trainer:\n  strategy:\n    class_path: lightning_mgpu.MGPUDPStrategy\n")
     ways = {
         "name in YAML": [],
         "class_path in YAML": ["--config", str(class_path_config)],
-        "class path on the command line": ["--trainer.strategy", "lightning_mgpu.DataParallelStrategy"],
+        "class path on the command line": ["--trainer.strategy", "lightning_mgpu.MGPUDPStrategy"],
     }
     results = {}
     for way, args in ways.items():
@@ -321,7 +329,7 @@ def test_strategy_by_name_or_class_path_trains_alike(tmp_path: Path, capsys: pyt
             + ["--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "2"]
             + ["--trainer.default_root_dir", str(tmp_path / way.replace(" ", "_"))]
         )
-        assert type(cli.trainer.strategy) is lightning_mgpu.DataParallelStrategy, way
+        assert type(cli.trainer.strategy) is lightning_mgpu.MGPUDPStrategy, way
         assert cli.trainer.num_devices == 2
         results[way] = (cli.trainer.callback_metrics["val_nll"].item(), cli.model.state_dict())
     capsys.readouterr()
@@ -338,7 +346,7 @@ def test_a_strategy_class_path_that_does_not_import_is_named(capsys: pytest.Capt
     assert main(["fit", "--config", str(QUICKSTART), "--trainer.strategy", "lightning_mgpu.NoSuchStrategy"]) == 2
     assert re.fullmatch(
         r"lightning-mgpu fit: trainer.strategy 'lightning_mgpu\.NoSuchStrategy' is neither a registered strategy"
-        r" name nor an importable class .*lightning_mgpu\.DDPStrategy\.\n",
+        r" name nor an importable class .*lightning_mgpu\.MGPUDDPStrategy\.\n",
         capsys.readouterr().err,
     )
 
@@ -564,7 +572,7 @@ def test_readme_usage_example_runs(launch: str, launches: dict[str, Launch]) -> 
     code, output = launches[launch].result()
 
     assert code == 0, readable(output)
-    assert re.search(r"^strategy DataParallelStrategy devices 2$", output, flags=re.MULTILINE)
+    assert re.search(r"^strategy MGPUDPStrategy devices 2$", output, flags=re.MULTILINE)
     assert re.search(r"^global_step 4$", output, flags=re.MULTILINE)  # 64 rows in batches of 16, one epoch
     train_mse = float(re.search(r"^train_mse (\S+)$", output, flags=re.MULTILINE).group(1))
     assert 0 < train_mse < 10  # targets ~ N(0, 1)

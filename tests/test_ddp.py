@@ -20,7 +20,7 @@ from models import Regressor, assert_same_parameters, loader, parameters, regres
 from processes import clean_env, free_port
 
 import lightning_mgpu
-from lightning_mgpu import DDPStrategy
+from lightning_mgpu import MGPUDDPStrategy
 from lightning_mgpu.strategies import ddp as ddp_strategy
 from lightning_mgpu.strategies.ddp import buffer_sync_keyword
 
@@ -47,7 +47,7 @@ def _assert_matches_single_device(out: Path, result: subprocess.CompletedProcess
     reports = [_report(out, rank) for rank in (0, 1)]
     assert [r["world_size"] for r in reports] == [2, 2]
     assert {r["environment"] for r in reports} == {environment}
-    assert {r["strategy"] for r in reports} == {"DDPStrategy"}
+    assert {r["strategy"] for r in reports} == {"MGPUDDPStrategy"}
     assert_same_parameters(torch.load(out / "params.pt"), _single_device_parameters())
 
 
@@ -267,7 +267,7 @@ def test_the_exit_handler_is_registered_once_and_leaves_the_group_of_a_failed_ru
 
 
 def test_defaults_follow_the_recipe_and_raise_no_warning(recwarn: pytest.WarningsRecorder) -> None:
-    strategy = DDPStrategy()
+    strategy = MGPUDDPStrategy()
     assert strategy._ddp_kwargs == {
         buffer_sync_keyword(): False,
         "find_unused_parameters": False,
@@ -286,7 +286,7 @@ def test_defaults_follow_the_recipe_and_raise_no_warning(recwarn: pytest.Warning
 
 
 def test_buffer_broadcasting_can_be_switched_on_and_other_keywords_pass_through() -> None:
-    strategy = DDPStrategy(broadcast_buffers=True, find_unused_parameters=True, static_graph=False, bucket_cap_mb=5)
+    strategy = MGPUDDPStrategy(broadcast_buffers=True, find_unused_parameters=True, static_graph=False, bucket_cap_mb=5)
     assert strategy._ddp_kwargs == {
         buffer_sync_keyword(): True,
         "find_unused_parameters": True,
@@ -294,23 +294,23 @@ def test_buffer_broadcasting_can_be_switched_on_and_other_keywords_pass_through(
         "gradient_as_bucket_view": False,
         "bucket_cap_mb": 5,
     }
-    assert DDPStrategy(forward_sync_buffers=True).broadcast_buffers is True
-    assert DDPStrategy(broadcast_buffers=True, forward_sync_buffers=None).broadcast_buffers is True
+    assert MGPUDDPStrategy(forward_sync_buffers=True).broadcast_buffers is True
+    assert MGPUDDPStrategy(broadcast_buffers=True, forward_sync_buffers=None).broadcast_buffers is True
 
 
 def test_registration_leaves_lightnings_own_ddp_names_alone() -> None:
     from lightning.pytorch.strategies import StrategyRegistry
 
-    assert StrategyRegistry["mgpu_ddp"]["strategy"] is DDPStrategy
+    assert StrategyRegistry["mgpu_ddp"]["strategy"] is MGPUDDPStrategy
     assert StrategyRegistry["ddp"]["strategy"] is L.pytorch.strategies.DDPStrategy
     assert StrategyRegistry["ddp_spawn"]["strategy"] is L.pytorch.strategies.DDPStrategy
 
 
 @pytest.mark.parametrize("strategy", ["mgpu_ddp", "instance"])
 def test_trainer_accepts_the_name_and_an_instance(strategy: str) -> None:
-    chosen = DDPStrategy(find_unused_parameters=True) if strategy == "instance" else strategy
+    chosen = MGPUDDPStrategy(find_unused_parameters=True) if strategy == "instance" else strategy
     built = L.Trainer(accelerator="cpu", devices=2, strategy=chosen, logger=False)
-    assert isinstance(built.strategy, DDPStrategy)
+    assert isinstance(built.strategy, MGPUDDPStrategy)
     assert built.strategy.num_processes == 2
 
 
@@ -318,7 +318,7 @@ def test_cuda_devices_the_machine_lacks_fail_before_any_process_starts(monkeypat
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     devices = [torch.device("cuda", 0), torch.device("cuda", 1)]
     with pytest.raises(lightning_mgpu.ConfigurationError, match=r"mgpu_ddp was asked .* has 0 CUDA.*accelerator='cpu'"):
-        DDPStrategy(parallel_devices=devices)
+        MGPUDDPStrategy(parallel_devices=devices)
 
 
 def test_parse_local_rank_accepts_both_spellings(monkeypatch: pytest.MonkeyPatch) -> None:

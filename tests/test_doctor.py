@@ -99,7 +99,7 @@ def test_batchnorm_with_per_replica_statistics_is_named_as_the_cause() -> None:
     assert verdicts(report)["layer.1.running_mean"] == "differs"
     step = message_of(report, "batch-dependent", "step output")
     assert "here BatchNorm (layer.1) normalising each chunk by its own statistics" in step
-    assert "keep DataParallelStrategy's default sync_batchnorm=True" in step
+    assert "keep MGPUDPStrategy's default sync_batchnorm=True" in step
     batchnorm = message_of(report, "batchnorm", "layer.1")
     assert "its running statistics `layer.1.running_mean`, `layer.1.running_var` differ after the step" in batchnorm
     assert "BatchNorm layers normalise each chunk by its own statistics in the split run" in report.notes[0]
@@ -279,7 +279,7 @@ def test_per_replica_batchnorm_statistics_are_named_with_the_cause() -> None:
     batchnorm = findings[("warning", "batchnorm", "net.1")]
     assert "its running statistics `net.1.running_mean`, `net.1.running_var` differ after the step" in batchnorm
     assert "only replica 0's running statistics are kept, computed from replica 0's chunk of 4 rows" in batchnorm
-    assert "Keep DataParallelStrategy's default sync_batchnorm=True" in batchnorm
+    assert "Keep MGPUDPStrategy's default sync_batchnorm=True" in batchnorm
     assert "under mgpu_ddp, use SyncBatchNorm (Trainer(sync_batchnorm=True))" in batchnorm
 
 

@@ -21,7 +21,7 @@ from models import (
 from torch import nn
 
 import lightning_mgpu
-from lightning_mgpu import DataParallelStrategy
+from lightning_mgpu import MGPUDPStrategy
 from lightning_mgpu.errors import ConfigurationError, GatherError
 
 
@@ -45,7 +45,7 @@ def test_parameters_match_single_device(model_class: type, devices: int, batch_s
     single = Regressor()  # computes in training_step what StepEndRegressor computes in training_step_end
     _fit(single, batch_size, max_epochs=2)
     parallel = model_class()
-    chosen = DataParallelStrategy() if strategy == "instance" else strategy
+    chosen = MGPUDPStrategy() if strategy == "instance" else strategy
     _fit(parallel, batch_size, max_epochs=2, devices=devices, strategy=chosen)
     assert_same_parameters(parameters(single), parameters(parallel))
     assert not torch.equal(parameters(single)["net.0.weight"], parameters(Regressor())["net.0.weight"])
@@ -117,8 +117,8 @@ def test_default_loss_is_weighted_by_chunk_size() -> None:
 
     _fit(Regressor(), 5, max_steps=1, callbacks=[Capture()])
     _fit(Regressor(), 5, devices=2, strategy="mgpu_dp", max_steps=1, callbacks=[Capture()])
-    assert losses["DataParallelStrategy"].shape == ()
-    torch.testing.assert_close(losses["DataParallelStrategy"], losses["SingleDeviceStrategy"], atol=1e-6, rtol=0)
+    assert losses["MGPUDPStrategy"].shape == ()
+    torch.testing.assert_close(losses["MGPUDPStrategy"], losses["SingleDeviceStrategy"], atol=1e-6, rtol=0)
     x, y = regression_data().tensors
     with torch.no_grad():
         model = Regressor()
@@ -341,21 +341,21 @@ def test_more_cuda_devices_than_the_machine_has_are_refused(monkeypatch: pytest.
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     devices = [torch.device("cuda", 0), torch.device("cuda", 1)]
     with pytest.raises(lightning_mgpu.ConfigurationError, match=r"has 1 CUDA device\(s\), so \[1\] do not exist"):
-        DataParallelStrategy(parallel_devices=devices)
+        MGPUDPStrategy(parallel_devices=devices)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(
         lightning_mgpu.ConfigurationError, match=r"mgpu_dp was asked .* has 0 CUDA device\(s\).*accelerator='cpu'"
     ):
-        DataParallelStrategy(parallel_devices=devices)
+        MGPUDPStrategy(parallel_devices=devices)
 
 
 def test_the_lightning_device_attribute_shim_sets_the_replica_device() -> None:
     from lightning_mgpu.engine import replicate
-    from lightning_mgpu.strategies._replica_step import prepare_replica
+    from lightning_mgpu.step.replicas import prepare_replica
 
     model = Regressor()
     replica = replicate(model, [torch.device("cpu")])[0]
-    prepare_replica(replica, 0, 1, torch.device("meta"))
+    prepare_replica(replica, 0, 1, torch.device("meta"), 4)
     assert replica.device == torch.device("meta")
     assert model.device == torch.device("cpu")
 

@@ -193,7 +193,7 @@ def _fit_three_steps(
 
 @pytest.mark.parametrize(
     "strategy",
-    [lambda: "mgpu_dp", lambda: lightning_mgpu.DataParallelStrategy()],
+    [lambda: "mgpu_dp", lambda: lightning_mgpu.MGPUDPStrategy()],
     ids=["name", "instance"],
 )
 def test_two_replicas_match_one_device_under_the_default_strategy(strategy: Callable[[], Any], tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ from models import Regressor, StepEndRegressor, assert_same_parameters, loader, 
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from lightning_mgpu import DataParallelStrategy, GatherError
+from lightning_mgpu import GatherError, MGPUDPStrategy
 
 
 def _fit(model: L.LightningModule, batch_size: int, **trainer_kwargs: Any) -> L.Trainer:
@@ -56,7 +56,7 @@ def test_strategy_reduce_in_training_step_end_trains_as_one_device() -> None:
 
 
 def test_strategy_reduce_averages_every_tensor_like_lightning_1x() -> None:
-    reduce = DataParallelStrategy().reduce
+    reduce = MGPUDPStrategy().reduce
     assert reduce(torch.tensor([1.0, 2.0, 6.0])).item() == 3.0
     averaged_ints = reduce(torch.tensor([1, 2]))
     assert (averaged_ints.dtype, averaged_ints.item()) == (torch.int64, 1), "in float, cast back, as in 1.x"
@@ -73,15 +73,15 @@ def test_strategy_reduce_averages_every_tensor_like_lightning_1x() -> None:
     [(None, 2.0), ("mean", 2.0), ("AVG", 2.0), ("sum", 4.0), ("SUM", 4.0), ("max", 3.0), ("Min", 1.0)],
 )
 def test_strategy_reduce_follows_reduce_op(reduce_op: Any, expected: float) -> None:
-    assert DataParallelStrategy().reduce(torch.tensor([1.0, 3.0]), reduce_op=reduce_op).item() == expected
+    assert MGPUDPStrategy().reduce(torch.tensor([1.0, 3.0]), reduce_op=reduce_op).item() == expected
 
 
 def test_strategy_reduce_takes_torch_reduce_ops_and_refuses_others() -> None:
-    reduce = DataParallelStrategy().reduce
+    reduce = MGPUDPStrategy().reduce
     assert reduce(torch.tensor([1.0, 3.0]), reduce_op=torch.distributed.ReduceOp.SUM).item() == 4.0
     with pytest.raises(ValueError, match=r"reduce_op='product'\) under mgpu_dp: use 'mean'"):
         reduce(torch.tensor([1.0, 3.0]), reduce_op="product")
-    strategy = DataParallelStrategy(parallel_devices=[torch.device("cpu")] * 2)
+    strategy = MGPUDPStrategy(parallel_devices=[torch.device("cpu")] * 2)
     assert strategy.reduce_boolean_decision(True), "Lightning's own use: a 0-dim sum"
     assert not strategy.reduce_boolean_decision(False)
 
@@ -170,7 +170,7 @@ def test_one_device_runs_the_module_itself() -> None:
     fitted = trainer(devices=1, strategy="mgpu_dp", max_epochs=1)
     fitted.fit(model, loader(regression_data(), 4), loader(regression_data(rows=7, seed=3), 3))
 
-    assert isinstance(fitted.strategy, DataParallelStrategy)
+    assert isinstance(fitted.strategy, MGPUDPStrategy)
     assert fitted.model is model
     assert model.steps_seen == 5, "what the step assigns to self stays"
     assert model.threads == {threading.current_thread().name}
@@ -1010,9 +1010,7 @@ def test_trainer_predict_standalone(devices: int, datamodule: bool) -> None:
     assert results[0][0].shape == torch.Size([1, 2])
 
 
-@pytest.mark.parametrize(
-    "strategy", ["dp", "DP", "mgpu_dp", DataParallelStrategy()], ids=["dp", "DP", "mgpu_dp", "instance"]
-)
+@pytest.mark.parametrize("strategy", ["dp", "DP", "mgpu_dp", MGPUDPStrategy()], ids=["dp", "DP", "mgpu_dp", "instance"])
 def test_strategy_choice_str_and_instance(strategy: Any) -> None:
     """trainer/test_trainer.py, trainer/connectors/test_accelerator_connector.py: what ``dp`` selects.
 
@@ -1020,7 +1018,7 @@ def test_strategy_choice_str_and_instance(strategy: Any) -> None:
     processes, so it runs in notebooks.
     """
     run = trainer(devices=2, strategy=strategy)
-    assert isinstance(run.strategy, DataParallelStrategy)
+    assert isinstance(run.strategy, MGPUDPStrategy)
     assert run.strategy.strategy_name == "mgpu_dp"
     assert (run.num_devices, run.world_size) == (2, 1)
     assert run.strategy.launcher is None

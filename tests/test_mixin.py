@@ -16,7 +16,7 @@ from test_ddp import SCRIPT, _report, _single_device_parameters
 from torch import nn
 
 import lightning_mgpu
-from lightning_mgpu import DataParallel, MGPUMixin, register_parameters, to_device_of, unwrap
+from lightning_mgpu import MGPUDataParallel, MGPUMixin, register_parameters, to_device_of, unwrap
 
 
 def _fit_in_process(strategy: str | None, devices: int, batch: int) -> Portable:
@@ -136,7 +136,7 @@ def test_unwrap_finds_the_module_inside_every_wrapper() -> None:
     inner = nn.Linear(2, 2)
     assert unwrap(inner) is inner
     assert unwrap(nn.DataParallel(inner)) is inner
-    ours = DataParallel(inner, [torch.device("cpu")] * 2)
+    ours = MGPUDataParallel(inner, [torch.device("cpu")] * 2)
     assert unwrap(ours) is inner
     assert unwrap(torch.compile(ours)) is inner
     assert unwrap(nn.DataParallel(torch.compile(inner))) is inner
@@ -150,7 +150,7 @@ def test_unwrap_finds_the_module_inside_every_wrapper() -> None:
 
 def test_our_wrapper_passes_attributes_through_but_forwards_in_parallel() -> None:
     model = Portable()
-    wrapped = DataParallel(model, [torch.device("cpu")] * 2)
+    wrapped = MGPUDataParallel(model, [torch.device("cpu")] * 2)
     try:
         assert wrapped.lr == model.lr
         assert wrapped.net is model.net

@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.utils import parametrizations, parametrize, prune
 
 from lightning_mgpu import ModelCheckError, check_model
-from lightning_mgpu.model_checks import report
+from lightning_mgpu.checks import report
 
 Factory = Callable[[], nn.Module]
 

@@ -86,7 +86,7 @@ def test_context_is_entered_per_replica() -> None:
         dtypes = apply(
             [lambda: (torch.ones(2, 2) @ torch.ones(2, 2)).dtype] * 2,
             CPU3[:2],
-            context=lambda index, device: torch.autocast("cpu", dtype=torch.bfloat16),
+            context=lambda: torch.autocast("cpu", dtype=torch.bfloat16),
         )
     finally:
         apply.close()

@@ -12,23 +12,23 @@ import pytest
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_mgpu
-from lightning_mgpu import DataParallelStrategy
+from lightning_mgpu import MGPUDPStrategy
 from lightning_mgpu.cli import main
 
 
 def test_import_registers_mgpu_dp() -> None:
     entry = StrategyRegistry["mgpu_dp"]
-    assert entry["strategy"].__name__ == "DataParallelStrategy"
-    assert entry["description"] == "DataParallelStrategy"
+    assert entry["strategy"].__name__ == "MGPUDPStrategy"
+    assert entry["description"] == "MGPUDPStrategy"
 
 
 def test_importing_twice_and_reloading_is_harmless() -> None:
     importlib.reload(lightning_mgpu)
     importlib.reload(lightning_mgpu)
-    lightning_mgpu.registry.register_all()
+    lightning_mgpu.strategies.registry.register_all()
     assert StrategyRegistry.available_strategies().count("mgpu_dp") == 1
     assert isinstance(
-        L.Trainer(accelerator="cpu", devices=2, strategy="mgpu_dp", logger=False).strategy, DataParallelStrategy
+        L.Trainer(accelerator="cpu", devices=2, strategy="mgpu_dp", logger=False).strategy, MGPUDPStrategy
     )
 
 
@@ -39,13 +39,13 @@ def test_a_fresh_interpreter_gets_the_name_from_the_import_alone() -> None:
         "print(type(t.strategy).__name__, t.num_devices, t.world_size)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert result.stdout.split()[-3:] == ["DataParallelStrategy", "3", "1"]
+    assert result.stdout.split()[-3:] == ["MGPUDPStrategy", "3", "1"]
 
 
-@pytest.mark.parametrize("strategy", ["mgpu_dp", DataParallelStrategy()])
+@pytest.mark.parametrize("strategy", ["mgpu_dp", MGPUDPStrategy()])
 def test_trainer_accepts_the_name_and_an_instance(strategy: object) -> None:
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
-    assert isinstance(trainer.strategy, DataParallelStrategy)
+    assert isinstance(trainer.strategy, MGPUDPStrategy)
     assert trainer.strategy.root_device.type == "cpu"
     assert trainer.strategy.num_replicas == 2
     assert not trainer.strategy.is_distributed
@@ -59,17 +59,17 @@ QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 
 def test_import_registers_lightning_1x_name_dp() -> None:
     entry = StrategyRegistry["dp"]
-    assert entry["strategy"] is DataParallelStrategy
-    assert entry["description"] == "DataParallelStrategy (mgpu_dp) under Lightning 1.x's name"
-    lightning_mgpu.registry.register_all()
+    assert entry["strategy"] is MGPUDPStrategy
+    assert entry["description"] == "MGPUDPStrategy (mgpu_dp) under Lightning 1.x's name"
+    lightning_mgpu.strategies.registry.register_all()
     assert StrategyRegistry.available_strategies().count("dp") == 1
-    assert StrategyRegistry["mgpu_dp"]["description"] == "DataParallelStrategy"
+    assert StrategyRegistry["mgpu_dp"]["description"] == "MGPUDPStrategy"
 
 
 @pytest.mark.parametrize("name", ["dp", "DP", "mgpu_DP"])
 def test_trainer_takes_dp_and_any_letter_case(name: str) -> None:
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=name, logger=False)
-    assert type(trainer.strategy) is DataParallelStrategy
+    assert type(trainer.strategy) is MGPUDPStrategy
     assert trainer.strategy.strategy_name == "mgpu_dp"
 
 
@@ -79,9 +79,9 @@ def test_dp_owned_by_someone_else_is_left_alone() -> None:
 
     registry = type(StrategyRegistry)()
     registry.register("dp", TheirDataParallel, description="theirs")
-    DataParallelStrategy.register_strategies(registry)
+    MGPUDPStrategy.register_strategies(registry)
     assert registry["dp"]["strategy"] is TheirDataParallel
-    assert registry["mgpu_dp"]["strategy"] is DataParallelStrategy
+    assert registry["mgpu_dp"]["strategy"] is MGPUDPStrategy
 
 
 def test_1x_code_runs_with_one_added_import_in_a_fresh_interpreter() -> None:
@@ -91,7 +91,7 @@ def test_1x_code_runs_with_one_added_import_in_a_fresh_interpreter() -> None:
         "print(type(t.strategy).__name__, t.num_devices)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert result.stdout.split()[-2:] == ["DataParallelStrategy", "2"]
+    assert result.stdout.split()[-2:] == ["MGPUDPStrategy", "2"]
 
 
 @pytest.mark.parametrize(
@@ -99,12 +99,12 @@ def test_1x_code_runs_with_one_added_import_in_a_fresh_interpreter() -> None:
     [("mgpu-dp", ["mgpu_dp"]), ("MGPUDP", ["mgpu_dp"]), ("mgpu dp", ["mgpu_dp"]), ("mgpu-ddp", ["mgpu_ddp"])],
 )
 def test_close_names_forgive_case_dashes_and_dropped_underscores(name: str, meant: list[str]) -> None:
-    assert lightning_mgpu.registry.close_names(name) == meant
+    assert lightning_mgpu.strategies.registry.close_names(name) == meant
 
 
 def test_close_names_suggest_the_nearest_otherwise() -> None:
-    assert lightning_mgpu.registry.close_names("fdsp")[0] == "fsdp"
-    assert lightning_mgpu.registry.close_names("nothing like it") == []
+    assert lightning_mgpu.strategies.registry.close_names("fdsp")[0] == "fsdp"
+    assert lightning_mgpu.strategies.registry.close_names("nothing like it") == []
 
 
 @pytest.fixture

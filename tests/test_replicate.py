@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_mgpu import DataParallel
+from lightning_mgpu import MGPUDataParallel
 from lightning_mgpu.engine import replicate
 
 CPU2 = [torch.device("cpu")] * 2
@@ -89,7 +89,7 @@ def test_replica_shells_are_distinct_objects_that_leave_the_original_alone() -> 
 def test_data_parallel_wrapper_matches_the_module_and_passes_attributes_through() -> None:
     torch.manual_seed(0)
     module = nn.Linear(3, 2)
-    wrapper = DataParallel(module, CPU2)
+    wrapper = MGPUDataParallel(module, CPU2)
     try:
         x = torch.randn(5, 3)
         torch.testing.assert_close(wrapper(x), module(x))
@@ -101,7 +101,7 @@ def test_data_parallel_wrapper_matches_the_module_and_passes_attributes_through(
 
 
 def test_the_wrapper_times_each_phase_when_asked() -> None:
-    wrapper = DataParallel(nn.Linear(3, 2), CPU2)
+    wrapper = MGPUDataParallel(nn.Linear(3, 2), CPU2)
     try:
         wrapper(torch.randn(6, 3))
         assert set(wrapper.phase_seconds.values()) == {0.0}, "no clock is read unless asked"
@@ -171,7 +171,7 @@ def _assert_like_one_device(
     parallel = make()
     expected = single(x)
     expected.sum().backward()
-    wrapper = DataParallel(parallel, [torch.device("cpu")] * devices)
+    wrapper = MGPUDataParallel(parallel, [torch.device("cpu")] * devices)
     try:
         output = wrapper(x)
         output.sum().backward()
@@ -231,11 +231,11 @@ def test_compiled_submodules_run_their_own_replica_and_leave_the_module_whole(
 
 
 def test_a_compiled_call_that_cannot_be_rebound_runs_uncompiled_with_a_warning() -> None:
-    from lightning_mgpu.engine import _torch_private
+    from lightning_mgpu import _compat
 
     encoder = _Encoder()
     encoder.compile(backend="eager")
-    assert _torch_private.recompile_call(_torch_private.compiled_call(encoder), _Encoder()) is not None
+    assert _compat.recompile_call(_compat.compiled_call(encoder), _Encoder()) is not None
     encoder.__dict__["_compiled_call_impl"] = lambda *args: encoder._call_impl(*args)  # no compile context inside
     with pytest.warns(UserWarning, match=r"_Encoder was compiled in place.*run it uncompiled.*torch.compile\(module\)"):
         replicas = replicate(encoder, CPU2)
@@ -304,7 +304,7 @@ def test_a_buffer_reassigned_by_replica_0_is_kept() -> None:
             return self.linear(x)
 
     model = Counter()
-    wrapper = DataParallel(model, CPU2)
+    wrapper = MGPUDataParallel(model, CPU2)
     try:
         for _ in range(3):
             wrapper(torch.randn(4, 2))

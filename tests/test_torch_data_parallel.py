@@ -1,4 +1,4 @@
-"""``DataParallel`` as a drop-in for ``torch.nn.DataParallel``.
+"""``MGPUDataParallel`` as a drop-in for ``torch.nn.DataParallel``.
 
 The cases follow torch's own DataParallel suite (``test/distributed/test_data_parallel.py``), rewritten for virtual
 replicas on the CPU and compared with the module run on one device. Where the split-and-gather contract differs from
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_mgpu import BatchSplitError, DataParallel, Fields, GatherError
+from lightning_mgpu import BatchSplitError, Fields, GatherError, MGPUDataParallel
 from lightning_mgpu.engine import ParallelApply, gather, replicate, scatter
 from lightning_mgpu.errors import ConfigurationError
 
@@ -38,12 +38,12 @@ replica_counts = pytest.mark.parametrize("replicas", [2, 3])
 
 
 @pytest.fixture
-def wrap() -> Iterator[Callable[..., DataParallel]]:
+def wrap() -> Iterator[Callable[..., MGPUDataParallel]]:
     """Build wrappers whose replica threads are stopped when the test ends."""
-    made: list[DataParallel] = []
+    made: list[MGPUDataParallel] = []
 
-    def make(module: nn.Module, *args: Any, **kwargs: Any) -> DataParallel:
-        wrapper = DataParallel(module, *args, **kwargs)
+    def make(module: nn.Module, *args: Any, **kwargs: Any) -> MGPUDataParallel:
+        wrapper = MGPUDataParallel(module, *args, **kwargs)
         made.append(wrapper)
         return wrapper
 
@@ -66,7 +66,7 @@ def _linear(dtype: torch.dtype = torch.float32) -> nn.Linear:
 )
 @replica_counts
 def test_module_output_matches_one_device(
-    wrap: Callable[..., DataParallel], dtype: torch.dtype, tolerance: float, replicas: int
+    wrap: Callable[..., MGPUDataParallel], dtype: torch.dtype, tolerance: float, replicas: int
 ) -> None:
     layer = _linear(dtype)
     x = torch.randn(20, 10, dtype=dtype)
@@ -77,7 +77,7 @@ def test_module_output_matches_one_device(
 
 
 @replica_counts
-def test_keyword_only_input(wrap: Callable[..., DataParallel], replicas: int) -> None:
+def test_keyword_only_input(wrap: Callable[..., MGPUDataParallel], replicas: int) -> None:
     layer = _linear()
 
     class Net(nn.Module):
@@ -93,7 +93,7 @@ def test_keyword_only_input(wrap: Callable[..., DataParallel], replicas: int) ->
 
 
 @pytest.mark.parametrize("unused", [[], {}, ()], ids=["empty_list", "empty_dict", "empty_tuple"])
-def test_keyword_only_input_with_an_empty_container(wrap: Callable[..., DataParallel], unused: Any) -> None:
+def test_keyword_only_input_with_an_empty_container(wrap: Callable[..., MGPUDataParallel], unused: Any) -> None:
     layer = _linear()
     seen: list[Any] = []
 
@@ -113,7 +113,7 @@ def test_keyword_only_input_with_an_empty_container(wrap: Callable[..., DataPara
     assert all(type(value) is type(unused) for value in seen)
 
 
-def test_positional_and_keyword_inputs_with_their_gradients(wrap: Callable[..., DataParallel]) -> None:
+def test_positional_and_keyword_inputs_with_their_gradients(wrap: Callable[..., MGPUDataParallel]) -> None:
     class Net(nn.Module):
         def forward(
             self, a: torch.Tensor, b: torch.Tensor, scale: float, c: torch.Tensor | None = None
@@ -145,7 +145,7 @@ def test_positional_and_keyword_inputs_with_their_gradients(wrap: Callable[..., 
 
 @pytest.mark.parametrize("devices", [[CPU], CPU2, CPU3], ids=["1", "2", "3"])
 def test_no_inputs_runs_the_module_once_on_the_root_device(
-    wrap: Callable[..., DataParallel], devices: list[torch.device]
+    wrap: Callable[..., MGPUDataParallel], devices: list[torch.device]
 ) -> None:
     calls: list[str] = []
 
@@ -160,7 +160,7 @@ def test_no_inputs_runs_the_module_once_on_the_root_device(
     assert len(calls) == 1
 
 
-def test_zero_dim_outputs_as_torch_returns_them(wrap: Callable[..., DataParallel]) -> None:
+def test_zero_dim_outputs_as_torch_returns_them(wrap: Callable[..., MGPUDataParallel]) -> None:
     """One device returns the module's output as it is; several stack one value per replica, as torch does."""
 
     class Total(nn.Module):
@@ -174,7 +174,7 @@ def test_zero_dim_outputs_as_torch_returns_them(wrap: Callable[..., DataParallel
     torch.testing.assert_close(wrap(Total(), CPU2)(), torch.tensor([1.0]))
 
 
-def test_one_device_returns_any_output_as_the_module_does(wrap: Callable[..., DataParallel]) -> None:
+def test_one_device_returns_any_output_as_the_module_does(wrap: Callable[..., MGPUDataParallel]) -> None:
     class Describe(nn.Module):
         def forward(self, x: torch.Tensor) -> tuple[str, int]:
             return "rows", len(x)
@@ -182,7 +182,7 @@ def test_one_device_returns_any_output_as_the_module_does(wrap: Callable[..., Da
     assert wrap(Describe(), [CPU])(torch.randn(4, 2)) == ("rows", 4)
 
 
-def test_nested_input(wrap: Callable[..., DataParallel]) -> None:
+def test_nested_input(wrap: Callable[..., MGPUDataParallel]) -> None:
     class Net(nn.Module):
         def forward(self, *inputs: Any) -> torch.Tensor:
             return inputs[1][0]
@@ -202,7 +202,7 @@ class _Nested(nn.Module):
 
 
 @replica_counts
-def test_nested_output_keeps_its_types(wrap: Callable[..., DataParallel], replicas: int) -> None:
+def test_nested_output_keeps_its_types(wrap: Callable[..., MGPUDataParallel], replicas: int) -> None:
     x = torch.randn(10, 2)  # chunks of 5 + 5 or 4 + 3 + 3 rows: no list of the output has one item per row
     out = wrap(_Nested(), [CPU] * replicas)(x)
     torch.testing.assert_close(out, _nested(x), **EXACT)
@@ -214,7 +214,7 @@ def test_nested_output_keeps_its_types(wrap: Callable[..., DataParallel], replic
     assert isinstance(out[3]["b"], list)
 
 
-def test_nested_output_at_torchs_own_two_rows_gathers_item_by_item(wrap: Callable[..., DataParallel]) -> None:
+def test_nested_output_at_torchs_own_two_rows_gathers_item_by_item(wrap: Callable[..., MGPUDataParallel]) -> None:
     """torch's own case: with 1-row chunks every list of tensors has one item per row, and is gathered as torch does."""
     x = torch.randn(2, 2)
     torch.testing.assert_close(wrap(_Nested(), CPU2)(x), _nested(x), **EXACT)
@@ -229,7 +229,7 @@ def test_nested_output_at_torchs_own_two_rows_gathers_item_by_item(wrap: Callabl
 # --- how the inputs are split: where our contract differs from torch.chunk ------------------------------------------
 
 
-def test_chunks_differ_by_at_most_one_row(wrap: Callable[..., DataParallel]) -> None:
+def test_chunks_differ_by_at_most_one_row(wrap: Callable[..., MGPUDataParallel]) -> None:
     """Deliberate difference: 5 rows on 4 replicas are 2 + 1 + 1 + 1 (torch.chunk: 2 + 2 + 1 on three)."""
 
     class Rows(nn.Module):
@@ -240,7 +240,7 @@ def test_chunks_differ_by_at_most_one_row(wrap: Callable[..., DataParallel]) -> 
     assert wrap(Rows(), CPU3)(torch.randn(20, 1)).tolist() == [7] * 14 + [6] * 6
 
 
-def test_every_tensor_input_must_have_the_batch_rows(wrap: Callable[..., DataParallel]) -> None:
+def test_every_tensor_input_must_have_the_batch_rows(wrap: Callable[..., MGPUDataParallel]) -> None:
     class Masked(nn.Module):
         def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
             return x * mask
@@ -250,7 +250,7 @@ def test_every_tensor_input_must_have_the_batch_rows(wrap: Callable[..., DataPar
     assert "positional input i" in caught.value.__notes__[0]
 
 
-def test_a_list_with_one_item_per_row_is_split_by_items(wrap: Callable[..., DataParallel]) -> None:
+def test_a_list_with_one_item_per_row_is_split_by_items(wrap: Callable[..., MGPUDataParallel]) -> None:
     """Deliberate difference: torch hands every replica the whole list; ours gives each its own rows' items."""
     received: list[list[str]] = []
 
@@ -264,7 +264,7 @@ def test_a_list_with_one_item_per_row_is_split_by_items(wrap: Callable[..., Data
     assert out == ["a:0", "b:1", "c:2"]
 
 
-def test_a_call_without_tensors_is_refused(wrap: Callable[..., DataParallel]) -> None:
+def test_a_call_without_tensors_is_refused(wrap: Callable[..., MGPUDataParallel]) -> None:
     """Deliberate difference: torch runs such a call on every device with the same inputs."""
     with pytest.raises(BatchSplitError, match="no tensor with a batch dimension"):
         wrap(nn.Identity(), CPU2)(3.0)
@@ -274,7 +274,7 @@ def test_a_call_without_tensors_is_refused(wrap: Callable[..., DataParallel]) ->
 
 
 @replica_counts
-def test_output_and_gradients_match_one_device(wrap: Callable[..., DataParallel], replicas: int) -> None:
+def test_output_and_gradients_match_one_device(wrap: Callable[..., MGPUDataParallel], replicas: int) -> None:
     layer = _linear()
     x = torch.randn(20, 10)
     expected = layer(x)
@@ -287,7 +287,7 @@ def test_output_and_gradients_match_one_device(wrap: Callable[..., DataParallel]
     torch.testing.assert_close([param.grad for param in layer.parameters()], expected_grads, **EXACT)
 
 
-def test_sparse_gradients_match_one_device(wrap: Callable[..., DataParallel]) -> None:
+def test_sparse_gradients_match_one_device(wrap: Callable[..., MGPUDataParallel]) -> None:
     torch.manual_seed(0)
     embedding = nn.Embedding(10, 5, sparse=True)
     ids = torch.randint(10, (20, 5))
@@ -304,7 +304,7 @@ def test_sparse_gradients_match_one_device(wrap: Callable[..., DataParallel]) ->
     torch.testing.assert_close(embedding.weight.grad.coalesce(), expected_grad, **EXACT)
 
 
-def test_buffers_that_require_grad_pass_gradcheck(wrap: Callable[..., DataParallel]) -> None:
+def test_buffers_that_require_grad_pass_gradcheck(wrap: Callable[..., MGPUDataParallel]) -> None:
     class Scaled(nn.Module):
         def __init__(self, scale: torch.Tensor) -> None:
             super().__init__()
@@ -323,7 +323,9 @@ def test_buffers_that_require_grad_pass_gradcheck(wrap: Callable[..., DataParall
 
 
 @pytest.mark.parametrize("devices", [[CPU], CPU2], ids=["1", "2"])
-def test_double_backward_through_the_wrapper(wrap: Callable[..., DataParallel], devices: list[torch.device]) -> None:
+def test_double_backward_through_the_wrapper(
+    wrap: Callable[..., MGPUDataParallel], devices: list[torch.device]
+) -> None:
     """A gradient penalty needs the graph of the input gradient, through scatter, replicas and gather.
 
     Deliberate difference: the bias, which the penalty does not depend on, gets no gradient, as on one device;
@@ -339,7 +341,7 @@ def test_double_backward_through_the_wrapper(wrap: Callable[..., DataParallel], 
     assert net.bias.grad is None
 
 
-def test_replicas_follow_the_callers_grad_mode(wrap: Callable[..., DataParallel]) -> None:
+def test_replicas_follow_the_callers_grad_mode(wrap: Callable[..., MGPUDataParallel]) -> None:
     modes: list[bool] = []
 
     class Probe(nn.Module):
@@ -355,7 +357,7 @@ def test_replicas_follow_the_callers_grad_mode(wrap: Callable[..., DataParallel]
     assert modes[2:] == [True, True]
 
 
-def test_autocast_inside_forward_and_around_the_call(wrap: Callable[..., DataParallel]) -> None:
+def test_autocast_inside_forward_and_around_the_call(wrap: Callable[..., MGPUDataParallel]) -> None:
     class Inside(nn.Linear):
         @torch.autocast("cpu", dtype=torch.bfloat16)
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -379,7 +381,7 @@ def test_autocast_inside_forward_and_around_the_call(wrap: Callable[..., DataPar
 
 
 @replica_counts
-def test_lstm_training_steps_match_one_device(wrap: Callable[..., DataParallel], replicas: int) -> None:
+def test_lstm_training_steps_match_one_device(wrap: Callable[..., MGPUDataParallel], replicas: int) -> None:
     class Recurrent(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -407,7 +409,7 @@ def test_lstm_training_steps_match_one_device(wrap: Callable[..., DataParallel],
         torch.testing.assert_close(param, wrapped, **EXACT)
 
 
-def test_lazy_modules_are_refused_as_torch_refuses_them(wrap: Callable[..., DataParallel]) -> None:
+def test_lazy_modules_are_refused_as_torch_refuses_them(wrap: Callable[..., MGPUDataParallel]) -> None:
     with pytest.raises(RuntimeError, match="Modules with uninitialized parameters"):
         wrap(nn.LazyLinear(10), CPU2)(torch.rand(10, 10))
 
@@ -421,7 +423,7 @@ def test_lazy_modules_are_refused_as_torch_refuses_them(wrap: Callable[..., Data
     ids=["ParameterList", "ParameterDict"],
 )
 def test_parameter_lists_and_dicts_reach_the_replicas(
-    wrap: Callable[..., DataParallel], container: Callable[..., nn.Module], keys: tuple[Any, Any]
+    wrap: Callable[..., MGPUDataParallel], container: Callable[..., nn.Module], keys: tuple[Any, Any]
 ) -> None:
     first, second = nn.Parameter(torch.rand(10)), nn.Parameter(torch.rand(10))
     checked: list[int] = []
@@ -444,7 +446,7 @@ def test_parameter_lists_and_dicts_reach_the_replicas(
     assert sorted(checked) == [4, 4]
 
 
-def test_complex_parameters_and_inputs(wrap: Callable[..., DataParallel]) -> None:
+def test_complex_parameters_and_inputs(wrap: Callable[..., MGPUDataParallel]) -> None:
     """Deliberate difference: the output is the complex tensor one device computes, not a real view of it."""
 
     class Shift(nn.Module):
@@ -479,7 +481,7 @@ def test_complex_parameters_and_inputs(wrap: Callable[..., DataParallel]) -> Non
     ids=["contiguous", "mixed", "channels_last"],
 )
 def test_gradients_keep_the_parameters_memory_format(
-    wrap: Callable[..., DataParallel], formats: list[torch.memory_format]
+    wrap: Callable[..., MGPUDataParallel], formats: list[torch.memory_format]
 ) -> None:
     def convnet() -> nn.Sequential:
         torch.manual_seed(0)
@@ -508,7 +510,7 @@ def test_gradients_keep_the_parameters_memory_format(
         wrapped_optimizer.zero_grad()
 
 
-def test_zero_grad_inside_a_replica_warns(wrap: Callable[..., DataParallel]) -> None:
+def test_zero_grad_inside_a_replica_warns(wrap: Callable[..., MGPUDataParallel]) -> None:
     messages: list[str] = []
 
     class ZeroesItsGrads(nn.Module):
@@ -528,7 +530,7 @@ def test_zero_grad_inside_a_replica_warns(wrap: Callable[..., DataParallel]) -> 
     assert sum(message.startswith(expected) for message in messages) == 2
 
 
-def test_forward_hooks_run_once_per_replica_on_its_chunk(wrap: Callable[..., DataParallel]) -> None:
+def test_forward_hooks_run_once_per_replica_on_its_chunk(wrap: Callable[..., MGPUDataParallel]) -> None:
     rows: list[int] = []
     module = nn.Linear(3, 2)
     module.register_forward_pre_hook(lambda _, args: rows.append(len(args[0])))
@@ -536,7 +538,7 @@ def test_forward_hooks_run_once_per_replica_on_its_chunk(wrap: Callable[..., Dat
     assert sorted(rows) == [2, 2, 3]
 
 
-def test_the_module_must_live_on_the_first_device(wrap: Callable[..., DataParallel]) -> None:
+def test_the_module_must_live_on_the_first_device(wrap: Callable[..., MGPUDataParallel]) -> None:
     with pytest.raises(ConfigurationError, match=r"parameter 'weight' is on meta.*module\.to\('cpu'\)"):
         wrap(nn.Linear(2, 2, device="meta"), CPU2)(torch.randn(2, 2))
     split = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
@@ -544,7 +546,7 @@ def test_the_module_must_live_on_the_first_device(wrap: Callable[..., DataParall
         wrap(split, CPU2)(torch.randn(2, 2))
 
 
-def test_no_reference_cycles(wrap: Callable[..., DataParallel]) -> None:
+def test_no_reference_cycles(wrap: Callable[..., MGPUDataParallel]) -> None:
     wrapper = wrap(nn.Linear(1, 1), CPU2)
     gc.collect()
     wrapper(torch.randn(4, 1))
@@ -555,7 +557,7 @@ def test_no_reference_cycles(wrap: Callable[..., DataParallel]) -> None:
 # --- arguments as torch spells them ---------------------------------------------------------------------------------
 
 
-def test_torch_argument_names_and_order(wrap: Callable[..., DataParallel]) -> None:
+def test_torch_argument_names_and_order(wrap: Callable[..., MGPUDataParallel]) -> None:
     layer = _linear()
     x = torch.randn(20, 10)
     for wrapper in (
@@ -570,11 +572,11 @@ def test_torch_argument_names_and_order(wrap: Callable[..., DataParallel]) -> No
 
 def test_arguments_that_cannot_work_are_refused() -> None:
     with pytest.raises(ConfigurationError, match="dim=1.*batch_first=True"):
-        DataParallel(nn.Linear(2, 2), CPU2, dim=1)
+        MGPUDataParallel(nn.Linear(2, 2), CPU2, dim=1)
     with pytest.raises(ConfigurationError, match="both devices= and device_ids="):
-        DataParallel(nn.Linear(2, 2), CPU2, device_ids=CPU2)
+        MGPUDataParallel(nn.Linear(2, 2), CPU2, device_ids=CPU2)
     with pytest.raises(ConfigurationError, match="at least one device"):
-        DataParallel(nn.Linear(2, 2), [])
+        MGPUDataParallel(nn.Linear(2, 2), [])
 
 
 def _an_index_names_a_device() -> bool:
@@ -588,11 +590,11 @@ def _an_index_names_a_device() -> bool:
 @pytest.mark.skipif(_an_index_names_a_device(), reason="checks the message shown where torch sees no accelerator")
 def test_device_indexes_without_an_accelerator_name_the_cpu_alternative() -> None:
     with pytest.raises(ConfigurationError, match=r"devices=\[torch\.device\('cpu'\)\] \* 2"):
-        DataParallel(nn.Linear(2, 2), [0, 1])
+        MGPUDataParallel(nn.Linear(2, 2), [0, 1])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="without devices, CUDA machines use every GPU")
-def test_without_devices_a_cpu_only_machine_runs_the_module_as_it_is(wrap: Callable[..., DataParallel]) -> None:
+def test_without_devices_a_cpu_only_machine_runs_the_module_as_it_is(wrap: Callable[..., MGPUDataParallel]) -> None:
     layer = _linear()
     wrapper = wrap(layer)
     assert wrapper.devices == [CPU]
@@ -671,7 +673,7 @@ def test_parallel_apply_runs_each_call_on_its_device() -> None:
     torch.testing.assert_close(autocast, expected_autocast, atol=0, rtol=0)
 
 
-def test_a_replicas_exception_reaches_the_caller_with_its_replica(wrap: Callable[..., DataParallel]) -> None:
+def test_a_replicas_exception_reaches_the_caller_with_its_replica(wrap: Callable[..., MGPUDataParallel]) -> None:
     class Fails(nn.Module):
         def forward(self, *args: Any) -> Any:
             return {}["wonderful"]
@@ -727,7 +729,7 @@ class _Masked(nn.Module):
 def _compare_with_torch(device_ids: list[int], module: nn.Module, x: torch.Tensor, mask: torch.Tensor) -> None:
     reference = copy.deepcopy(module)
     theirs = torch.nn.DataParallel(reference, device_ids=device_ids)
-    ours = DataParallel(module, device_ids=device_ids)
+    ours = MGPUDataParallel(module, device_ids=device_ids)
     try:
         expected = theirs(x, mask=mask)
         out = ours(x, mask=mask)
@@ -748,13 +750,13 @@ def test_matches_torch_data_parallel_on_two_gpus() -> None:
     x = torch.randn(20, 10, device="cuda:0")
     mask = torch.rand(20, 5, device="cuda:0")
     _compare_with_torch([0, 1], module, x, mask)
-    ours = DataParallel(module, [0, 1], output_device=-1)
+    ours = MGPUDataParallel(module, [0, 1], output_device=-1)
     try:
         assert ours(x).device == CPU
     finally:
         ours.close()
     with pytest.raises(ConfigurationError, match="cuda:0"):
-        DataParallel(_Masked(), [0, 1])(x)
+        MGPUDataParallel(_Masked(), [0, 1])(x)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 1, reason="compares with torch.nn.DataParallel on 1 GPU")

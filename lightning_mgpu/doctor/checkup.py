@@ -1,7 +1,8 @@
 """The doctor's two entry points: ``run_doctor`` from class names and a config, ``diagnose`` from a model and a batch.
 
 ``diagnose`` runs the step on one device and split (``runs``), compares the runs stage by stage (``compare``) and
-gathers the findings (``findings``) with the structural checks of ``model_checks`` into a ``DoctorReport``.
+gathers the findings (``findings``) with the structural model checks of ``lightning_mgpu.checks`` into a
+``DoctorReport``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from lightning_mgpu.checks import Finding, check_model
 from lightning_mgpu.doctor.compare import compare_runs, differing
 from lightning_mgpu.doctor.findings import (
     Differences,
@@ -30,7 +32,6 @@ from lightning_mgpu.doctor.runs import DROPOUT, quiet_unattached_logging, run_re
 from lightning_mgpu.engine import chunk_sizes
 from lightning_mgpu.engine.scatter import batch_size_of
 from lightning_mgpu.errors import BatchSplitError
-from lightning_mgpu.model_checks import Finding, check_model
 
 
 def run_doctor(
@@ -63,7 +64,7 @@ def run_doctor(
         target: the strategy to judge the findings for.
         atol: absolute tolerance of the comparisons.
         rtol: relative tolerance of the comparisons.
-        sync_batchnorm: split as ``DataParallelStrategy(sync_batchnorm=...)`` does: ``True`` (its default) gives
+        sync_batchnorm: split as ``MGPUDPStrategy(sync_batchnorm=...)`` does: ``True`` (its default) gives
             BatchNorm layers the whole batch's statistics, ``False`` normalises each chunk by its own.
 
     Raises:
@@ -113,7 +114,7 @@ def diagnose(
     randomness does not look like a difference. When something differs, two more runs tell the causes apart: one
     device with another seed shows randomness in the step, and one replica running the whole batch shows what
     batch-wise work cannot explain (a replica doing something differently from the module itself).
-    ``sync_batchnorm`` splits as ``DataParallelStrategy(sync_batchnorm=...)`` does; for ``mgpu_ddp`` each chunk
+    ``sync_batchnorm`` splits as ``MGPUDPStrategy(sync_batchnorm=...)`` does; for ``mgpu_ddp`` each chunk
     stands for a rank, whose BatchNorm layers see only its own rows.
     """
     _check_options(replicas, target, atol, rtol)
@@ -125,11 +126,7 @@ def diagnose(
     if not sync_batchnorm and batchnorm_names(model):
         report.notes.append(
             "BatchNorm layers normalise each chunk by its own statistics in the split run, as"
-            + (
-                " each mgpu_ddp rank does."
-                if target == "mgpu_ddp"
-                else " DataParallelStrategy(sync_batchnorm=False) does."
-            )
+            + (" each mgpu_ddp rank does." if target == "mgpu_ddp" else " MGPUDPStrategy(sync_batchnorm=False) does.")
         )
     dropouts = [name for name, module in model.named_modules() if isinstance(module, DROPOUT)]
     if dropouts:

@@ -9,11 +9,11 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 from torch import nn
 
+from lightning_mgpu.checks import Finding
 from lightning_mgpu.doctor.report import Comparison, DoctorReport, Kind, Target
 from lightning_mgpu.doctor.runs import Run
 from lightning_mgpu.errors import BatchSplitError, GatherError
-from lightning_mgpu.hooks import has_step_end
-from lightning_mgpu.model_checks import Finding
+from lightning_mgpu.step.hooks import has_step_end
 
 
 def batchnorm_names(model: nn.Module) -> list[str]:
@@ -98,7 +98,7 @@ def unused_parameter_findings(reference: Run, target: Target) -> list[Finding]:
                     name,
                     f"`{name}` requires grad but got no gradient from the training step. Under mgpu_ddp, DDP then"
                     ' fails at the next step ("Expected to have finished reduction in the prior iteration"). Pass'
-                    " strategy=lightning_mgpu.DDPStrategy(find_unused_parameters=True) (static_graph=True if the"
+                    " strategy=lightning_mgpu.MGPUDDPStrategy(find_unused_parameters=True) (static_graph=True if the"
                     " same parameters are unused every step), or freeze it with requires_grad_(False), or remove it.",
                 )
             )
@@ -109,7 +109,7 @@ def unused_parameter_findings(reference: Run, target: Target) -> list[Finding]:
                     "no-gradient",
                     name,
                     f"`{name}` requires grad but got no gradient from the training step, so it is not trained."
-                    " mgpu_dp runs anyway; mgpu_ddp would fail unless DDPStrategy(find_unused_parameters=True)."
+                    " mgpu_dp runs anyway; mgpu_ddp would fail unless MGPUDDPStrategy(find_unused_parameters=True)."
                     " Freeze it with requires_grad_(False), or remove it, if it is not meant to be used.",
                 )
             )
@@ -380,7 +380,7 @@ def _buffer_findings(
         if text.target == "mgpu_ddp":
             fix = (
                 "Under mgpu_ddp each rank updates its own copy from its own batch and the ranks drift apart (buffers"
-                " are not broadcast unless DDPStrategy(broadcast_buffers=True)); combine the update over the ranks"
+                " are not broadcast unless MGPUDDPStrategy(broadcast_buffers=True)); combine the update over the ranks"
                 " (self.all_gather) before applying it."
             )
         else:
@@ -412,7 +412,7 @@ def _per_replica_batchnorm(layer: str, statistics: list[Comparison], text: _Word
         f" {_quoted(names)} {_verb(statistics, 'differs', 'differ')} after the step {text.between}"
         f" ({_size(statistics)}), as each replica uses the mean and variance of its own chunk, not of the whole"
         f" batch, and only replica 0's running statistics are kept, computed from {first_chunk}. Keep"
-        " DataParallelStrategy's default sync_batchnorm=True, which gives every replica the whole batch's"
+        " MGPUDPStrategy's default sync_batchnorm=True, which gives every replica the whole batch's"
         " statistics, or accept per-replica statistics (with enough rows per replica); under mgpu_ddp, use"
         f" SyncBatchNorm (Trainer(sync_batchnorm=True)).{text.doubt}",
     )
@@ -429,7 +429,7 @@ def _batch_dependent_fix(target: Target, batchnorm: bool) -> str:
         "Move the batch-wise computation (means over the batch, in-batch negatives, top-k across the batch) into"
         " training_step_end, which receives the outputs of every replica gathered"
         + (
-            "; for BatchNorm, keep DataParallelStrategy's default sync_batchnorm=True, which gives every replica the"
+            "; for BatchNorm, keep MGPUDPStrategy's default sync_batchnorm=True, which gives every replica the"
             " whole batch's statistics."
             if batchnorm
             else "."

@@ -9,7 +9,7 @@ import shutil
 import textwrap
 from collections.abc import Mapping, Sequence
 
-from lightning_mgpu.doctor.command import EXIT_FOUND_ERRORS, EXIT_OK, PROG
+from lightning_mgpu.cli import EXIT_FOUND_ERRORS, EXIT_OK, PROG
 from lightning_mgpu.doctor.report import Comparison, DoctorReport
 
 _MAX_ROWS = 30

@@ -1,6 +1,6 @@
 """The runs the doctor compares: one training step on one device, and the same step split across CPU replicas.
 
-The split run goes through the ``DataParallel`` engine exactly as ``mgpu_dp`` runs it. Each run works on a fresh
+The split run goes through the ``MGPUDataParallel`` engine exactly as ``mgpu_dp`` runs it. Each run works on a fresh
 deep copy of the model, so the model passed in is left untouched. A run keeps what ``training_step_end``
 received (the whole batch's output on one device, the replicas' outputs gathered when split), what it returned,
 every gradient and every buffer after the step, so that a difference can be traced to the stage it starts in.
@@ -21,9 +21,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from lightning_mgpu.engine import DataParallel
-from lightning_mgpu.hooks import STEP_END_HOOKS, call_step_end, caller_runs_step_end, has_step_end
-from lightning_mgpu.strategies._replica_step import run_replica_step
+from lightning_mgpu.engine import MGPUDataParallel
+from lightning_mgpu.step.hooks import STEP_END_HOOKS, call_step_end, caller_runs_step_end, find_loss, has_step_end
+from lightning_mgpu.step.replicas import mark_outside_replicas, run_replica_step
 
 DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 _UNATTACHED_LOG = r".*`self\.log\(\)` but the `self\.trainer` reference"
@@ -77,15 +77,15 @@ def run_reference(model: pl.LightningModule, batch: Any, seed: int) -> Run:
 
 
 def run_split(model: pl.LightningModule, batch: Any, seed: int, replicas: int, sync_batchnorm: bool = True) -> Run:
-    """The step split across ``replicas`` virtual CPU replicas by ``DataParallel``, as ``mgpu_dp`` runs it.
+    """The step split across ``replicas`` virtual CPU replicas by ``MGPUDataParallel``, as ``mgpu_dp`` runs it.
 
     With ``replicas=1`` one replica runs the whole batch: a difference that remains then is not batch-wise work
     but something a replica does differently from the module itself. ``sync_batchnorm`` is
-    ``DataParallelStrategy``'s option of that name.
+    ``MGPUDPStrategy``'s option of that name.
     """
     module = _fresh_copy(model)
     run = _recording_step_end(module)
-    wrapper = DataParallel(module, [torch.device("cpu")] * replicas, sync_batchnorm=sync_batchnorm)
+    wrapper = MGPUDataParallel(module, [torch.device("cpu")] * replicas, sync_batchnorm=sync_batchnorm)
     seed_all(seed)
     try:
         with caller_runs_step_end(module):
@@ -104,9 +104,7 @@ def _fresh_copy(model: pl.LightningModule) -> pl.LightningModule:
     for submodule in module.modules():
         if isinstance(submodule, DROPOUT):
             submodule.eval()
-    # Outside the replicas the module is "replica 0 of 1", as DataParallelStrategy.setup makes it.
-    setattr(module, "replica_index", 0)  # noqa: B010 - nn.Module's typed __setattr__ rejects an int
-    setattr(module, "num_replicas", 1)  # noqa: B010
+    mark_outside_replicas(module)  # as mgpu_dp does; the copy is discarded, so nothing is put back
     return module
 
 
@@ -157,7 +155,7 @@ def _detached_copy(value: Any) -> Any:
 
 def _finish(module: pl.LightningModule, output: Any, run: Run) -> None:
     run.output = output
-    run.loss_path, loss = _loss_of(output)
+    run.loss_path, loss = find_loss(output)
     if isinstance(loss, torch.Tensor):
         run.loss = loss
         if module.automatic_optimization and loss.numel() == 1 and loss.requires_grad:
@@ -167,14 +165,6 @@ def _finish(module: pl.LightningModule, output: Any, run: Run) -> None:
         run.grads[name] = parameter.grad
         run.requires_grad[name] = parameter.requires_grad
     run.buffers = {name: buffer.detach().clone() for name, buffer in module.named_buffers()}
-
-
-def _loss_of(output: Any) -> tuple[str | None, Any]:
-    if isinstance(output, torch.Tensor):
-        return "output", output
-    if isinstance(output, Mapping) and "loss" in output:
-        return "output['loss']", output["loss"]
-    return None, None
 
 
 def seed_all(seed: int) -> None:

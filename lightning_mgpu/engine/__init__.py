@@ -1,6 +1,6 @@
 """The data-parallel engine: scatter, replicate, parallel apply, gather. It imports nothing from Lightning."""
 
-from lightning_mgpu.engine.data_parallel import DataParallel, ReplicaOutputs
+from lightning_mgpu.engine.data_parallel import MGPUDataParallel, ReplicaOutputs
 from lightning_mgpu.engine.gather import gather
 from lightning_mgpu.engine.parallel_apply import ParallelApply
 from lightning_mgpu.engine.reduce import weighted_mean
@@ -8,7 +8,7 @@ from lightning_mgpu.engine.replicate import replicate
 from lightning_mgpu.engine.scatter import chunk_sizes, scatter
 
 __all__ = [
-    "DataParallel",
+    "MGPUDataParallel",
     "ParallelApply",
     "ReplicaOutputs",
     "chunk_sizes",

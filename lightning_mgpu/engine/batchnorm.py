@@ -56,7 +56,7 @@ class ReplicaRendezvous:
                         " finished the step without running it, so the batch statistics cannot span the whole"
                         " batch. Call the layer the same number of times in every replica (not under a condition"
                         " that depends on the data), or switch the cross-replica statistics off:"
-                        " DataParallelStrategy(sync_batchnorm=False)."
+                        " MGPUDPStrategy(sync_batchnorm=False)."
                     )
                 if not self._condition.wait(self._timeout):
                     raise TimeoutError(

@@ -18,9 +18,9 @@ from lightning_mgpu.engine.scatter import Fields, LayoutMemory, move_to, scatter
 from lightning_mgpu.errors import BatchSplitError, ConfigurationError
 
 PHASES = ("scatter", "replicate", "parallel_apply", "gather")
-"""The engine's phases, timed in ``DataParallel.phase_seconds`` (seconds summed over calls) when ``time_phases``."""
+"""The engine's phases, timed in ``MGPUDataParallel.phase_seconds`` (seconds summed over calls) when ``time_phases``."""
 
-PrepareReplica = Callable[[nn.Module, int, int, torch.device], None]
+PrepareReplica = Callable[[nn.Module, int, int, torch.device, int], None]
 DeviceLike = torch.device | str | int
 _Call = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -40,7 +40,7 @@ class ReplicaOutputs:
         self.replicas = replicas
 
 
-class DataParallel(nn.Module):
+class MGPUDataParallel(nn.Module):
     """Single-process data parallelism over any devices, the CPU and repeated devices included.
 
     A drop-in for ``torch.nn.DataParallel``: it takes the same arguments, in the same order, and ``forward`` splits
@@ -85,9 +85,9 @@ class DataParallel(nn.Module):
         super().__init__()
         if dim != 0:
             raise ConfigurationError(
-                f"DataParallel splits inputs and gathers outputs along dim 0 only, but got dim={dim}. Make the batch"
-                " the first dimension of the module's inputs and outputs (batch_first=True for RNNs and transformer"
-                f" layers, or x.movedim({dim}, 0) around the module's own code), then drop dim=."
+                f"MGPUDataParallel splits inputs and gathers outputs along dim 0 only, but got dim={dim}. Make the"
+                " batch the first dimension of the module's inputs and outputs (batch_first=True for RNNs and"
+                f" transformer layers, or x.movedim({dim}, 0) around the module's own code), then drop dim=."
             )
         self.module = module
         self.devices = _resolve_devices(devices, device_ids)
@@ -129,7 +129,7 @@ class DataParallel(nn.Module):
             )
         except BatchSplitError as error:
             error.add_note(
-                "lightning_mgpu: DataParallel splits the positional and keyword inputs of forward as one batch:"
+                "lightning_mgpu: MGPUDataParallel splits the positional and keyword inputs of forward as one batch:"
                 " batch['inputs'][i] is positional input i, batch['kwargs'][name] the keyword argument name."
             )
             raise
@@ -182,9 +182,9 @@ class DataParallel(nn.Module):
                 replica whole.
             args: further positional arguments, given to every replica.
             kwargs: keyword arguments, given to every replica.
-            context: entered in each replica thread around the call, as ``context(index, device)``.
-            prepare_replica: called as ``prepare_replica(replica, index, num_replicas, device)`` before the call,
-                in the calling thread.
+            context: entered in each replica thread around the call, as ``context()``.
+            prepare_replica: called as ``prepare_replica(replica, index, num_replicas, device, rows)`` before the
+                call, in the calling thread; ``rows`` is the size of the replica's chunk.
 
         Buffers that replica 0 reassigned are stored on the module afterwards, as its in-place updates are. A list
         in the batch that could be read as one item per sample or as fields is read as it was in earlier batches of
@@ -220,8 +220,8 @@ class DataParallel(nn.Module):
         misplaced = self._check_module_device if check_device else None
         replicas = self._replicate(self._modules["module"], devices, misplaced)  # type: ignore[arg-type]
         if prepare_replica is not None:
-            for index, (replica, device) in enumerate(zip(replicas, devices, strict=True)):
-                prepare_replica(replica, index, len(replicas), device)
+            for index, (replica, device, rows) in enumerate(zip(replicas, devices, sizes, strict=True)):
+                prepare_replica(replica, index, len(replicas), device, rows)
         rendezvous = self._synchronise_batchnorms(replicas)
         bound = [
             _bind(replica if method is None else getattr(replica, method), args, kwargs, index, rendezvous)
@@ -244,7 +244,7 @@ class DataParallel(nn.Module):
             for name, tensor in named:
                 if not _same_device(tensor.device, root):
                     raise ConfigurationError(
-                        f"DataParallel needs the module on its first device, {root}, but {kind} {name!r} is on"
+                        f"MGPUDataParallel needs the module on its first device, {root}, but {kind} {name!r} is on"
                         f" {tensor.device}. Move the module there before calling the wrapper: module.to({str(root)!r})."
                     )
 
@@ -280,7 +280,7 @@ def _resolve_devices(
 ) -> list[torch.device]:
     if devices is not None and device_ids is not None:
         raise ConfigurationError(
-            "DataParallel got both devices= and device_ids=, which are one argument (device_ids is"
+            "MGPUDataParallel got both devices= and device_ids=, which are one argument (device_ids is"
             " torch.nn.DataParallel's name for it); pass only one."
         )
     chosen = devices if devices is not None else device_ids
@@ -288,7 +288,7 @@ def _resolve_devices(
         count = torch.cuda.device_count()
         return [torch.device("cuda", index) for index in range(count)] if count else [torch.device("cpu")]
     if not chosen:
-        raise ConfigurationError("DataParallel needs at least one device; pass devices=[torch.device('cpu')].")
+        raise ConfigurationError("MGPUDataParallel needs at least one device; pass devices=[torch.device('cpu')].")
     return [_device(entry, chosen) for entry in chosen]
 
 
@@ -299,7 +299,7 @@ def _device(entry: DeviceLike, devices: Sequence[DeviceLike]) -> torch.device:
         return torch.device(entry)
     except RuntimeError as error:  # no accelerator to index into
         raise ConfigurationError(
-            f"DataParallel got devices {list(devices)!r}, and {entry!r} names an accelerator device by index, but"
+            f"MGPUDataParallel got devices {list(devices)!r}, and {entry!r} names an accelerator device by index, but"
             f" torch sees no accelerator ({error}). To run virtual replicas on the CPU, pass"
             f" devices=[torch.device('cpu')] * {len(devices)}."
         ) from error

@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from lightning_mgpu.engine._torch_private import function_mode_depth
+from lightning_mgpu._compat import function_mode_depth
 from lightning_mgpu.engine.batchnorm import RendezvousAborted
 
-ContextFactory = Callable[[int, torch.device], AbstractContextManager[Any]]
+ContextFactory = Callable[[], AbstractContextManager[Any]]
 
 _LIVENESS_CHECK_S = 1.0
 """While waiting for the replicas, how often the caller checks that their threads are still alive."""
@@ -48,7 +48,7 @@ class ParallelApply:
         """Run ``calls[i]`` on ``devices[i]`` in thread ``i`` and return the results in order.
 
         Grad mode, inference mode and the current CUDA stream are thread-local in torch, so they are captured here
-        and re-entered in each thread; ``context(i, device)`` adds caller-specific state (autocast, for example).
+        and re-entered in each thread; ``context()`` adds caller-specific state (autocast, for example).
         If replicas raise, the exception of the lowest-numbered one is re-raised here, with its own traceback and
         a note that names the replica and its device. A replica whose thread dies (an exception escaping the
         thread's own loop, from a profiler hook say) raises ``ReplicaThreadDied`` here instead of leaving the
@@ -310,7 +310,7 @@ def _default_device() -> torch.device:
     A default device other than the CPU is always a ``DeviceContext`` torch function mode on this thread's mode
     stack (``torch.set_default_device`` and ``with torch.device(...)`` both push one), so with an empty stack it is
     the CPU; the public function finds that out by walking the stack in Python, a few microseconds per replica per
-    step. The stack's length is private torch API (``_torch_private``), covered by tests/test_parallel_apply.py;
+    step. The stack's length is private torch API (``lightning_mgpu._compat``), covered by tests/test_parallel_apply.py;
     without it, the public function answers.
     """
     if function_mode_depth() == 0:
@@ -344,7 +344,7 @@ def _run_replica(
         if default:
             stack.enter_context(device)
         if context is not None:
-            stack.enter_context(context(index, device))
+            stack.enter_context(context())
         return _call(call, index, device)
 
 

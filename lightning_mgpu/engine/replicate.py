@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from lightning_mgpu.engine import _torch_private
+from lightning_mgpu import _compat
 
 
 class ReplicaCache:
@@ -107,7 +107,7 @@ class _Structure:
         self.position = {id(original): index for index, original in enumerate(originals)}
         self.reusable = [_reusable(original) for original in originals]
         self.all_reusable = all(self.reusable)
-        self.compiled_wrapper = [_torch_private.is_compiled_wrapper(original) for original in originals]
+        self.compiled_wrapper = [_compat.is_compiled_wrapper(original) for original in originals]
         self.shells = [[_shell(original) for original in originals] for _ in devices]
 
     def refresh(
@@ -233,7 +233,7 @@ def assigned_attributes(module: nn.Module, replica: nn.Module, ignore: frozenset
             if name[0] != "_" and name not in ignore and state.get(name, _MISSING) is not value
         ]
         if changed:  # what torch's own hooks recompute before every forward (weight_norm's weight) is not lost
-            rewritten = _torch_private.names_rewritten_by_hooks(original, _torch_private.is_torch_class)
+            rewritten = _compat.names_rewritten_by_hooks(original, _compat.is_torch_class)
             assigned.extend(f"{prefix}.{name}" if prefix else name for name in changed if name not in rewritten)
     return assigned
 
@@ -245,9 +245,9 @@ def _reusable(original: nn.Module) -> bool:
     # A class's own __setattr__ may keep caches that only a fresh shell gets right; torch.compile's wrapper holds no
     # parameters of its own, so its __setattr__ never runs on a replica.
     custom = type(original).__setattr__ is not nn.Module.__setattr__
-    if custom and not _torch_private.is_compiled_wrapper(original):
+    if custom and not _compat.is_compiled_wrapper(original):
         return False
-    return not _torch_private.has_own_replication(original)
+    return not _compat.has_own_replication(original)
 
 
 def _shell(original: nn.Module) -> nn.Module:
@@ -256,8 +256,8 @@ def _shell(original: nn.Module) -> nn.Module:
     Built by writing the instance dict directly, never through the class's ``__setattr__``, which modules such as
     torch.compile's wrapper redirect into the module they wrap; classes with their own replication hook use it.
     """
-    if _torch_private.has_own_replication(original):
-        return _torch_private.own_replica(original)
+    if _compat.has_own_replication(original):
+        return _compat.own_replica(original)
     shell = type(original).__new__(type(original))
     object.__setattr__(shell, "__dict__", {})
     _refresh(original, shell)
@@ -307,12 +307,12 @@ def _wire(
 
 def _bind_compiled(original: nn.Module, shell: nn.Module) -> None:
     """Make a replica of a compiled module run compiled on the replica's own tensors, not the original's."""
-    if _torch_private.is_compiled_wrapper(original):
-        _torch_private.bind_compiled_wrapper(shell)
-    compiled = _torch_private.compiled_call(original)
+    if _compat.is_compiled_wrapper(original):
+        _compat.bind_compiled_wrapper(shell)
+    compiled = _compat.compiled_call(original)
     if compiled is None:
         return
-    rebound = _torch_private.recompile_call(compiled, shell)
+    rebound = _compat.recompile_call(compiled, shell)
     if rebound is None:
         warnings.warn(
             f"{type(original).__name__} was compiled in place with .compile(), and this torch does not let its"

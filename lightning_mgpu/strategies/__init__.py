@@ -1,6 +1,6 @@
 """The lightning_mgpu strategies, one per file."""
 
-from lightning_mgpu.strategies.ddp import DDPStrategy
-from lightning_mgpu.strategies.dp import DataParallelStrategy
+from lightning_mgpu.strategies.ddp import MGPUDDPStrategy
+from lightning_mgpu.strategies.dp import MGPUDPStrategy
 
-__all__ = ["DDPStrategy", "DataParallelStrategy"]
+__all__ = ["MGPUDDPStrategy", "MGPUDPStrategy"]

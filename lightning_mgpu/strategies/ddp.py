@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import inspect
-import re
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -20,15 +19,13 @@ from lightning.pytorch.trainer.states import RunningStage
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_mgpu._lightning_private import with_sampler
-from lightning_mgpu.hooks import call_step_end
-from lightning_mgpu.strategies._common import MGPUStrategyMixin
-from lightning_mgpu.strategies._health import StepHealth, stop_iteration_is_an_error
+from lightning_mgpu._compat import is_unused_parameters_error, unused_parameter_indices, with_sampler
+from lightning_mgpu.step.health import StepHealth, stop_iteration_is_an_error
+from lightning_mgpu.step.hooks import call_step_end
+from lightning_mgpu.strategies.base import MGPUStrategyMixin
 from lightning_mgpu.strategies.samplers import EvenlyShardedSampler, is_padding_sampler
 
 _EVALUATION_STAGES = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING)
-_UNUSED_PARAMETERS = re.compile(r"Expected to have finished reduction in the prior iteration")
-_UNUSED_INDICES = re.compile(r"Parameter indices which did not receive grad for rank \d+: ([\d ]+)")
 _EXIT_GRACE_S = 0.1
 """How long the exit handler leaves the GIL to torch.distributed's threads: many scheduler slices, room for load."""
 
@@ -88,7 +85,7 @@ def _release_process_group() -> None:
         time.sleep(_EXIT_GRACE_S)
 
 
-class DDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
+class MGPUDDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
     """One process per device, gradients all-reduced by ``DistributedDataParallel``, with the classic recipe built in.
 
     Compared with Lightning's ``"ddp"``: on CUDA the process's device is set from its local rank before the process
@@ -153,11 +150,11 @@ class DDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
             find_unused_parameters=find_unused_parameters,
             static_graph=static_graph,
             gradient_as_bucket_view=gradient_as_bucket_view,
+            **{buffer_sync_keyword(): broadcast_buffers},  # type: ignore[arg-type] # Lightning passes it to DDP
             **kwargs,
         )
         self.broadcast_buffers = broadcast_buffers
         self._health = StepHealth(self.strategy_name)
-        self._ddp_kwargs[buffer_sync_keyword()] = broadcast_buffers
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -173,17 +170,10 @@ class DDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        if self.root_device.type == "cuda":
-            # The classic recipe: pin this process to its card before anything (NCCL included) touches CUDA.
-            torch.cuda.set_device(self.root_device)
+        # Lightning's CUDA accelerator pins this process to its card (torch.cuda.set_device) before the process
+        # group, NCCL included, is created; DDP gets device_ids=[local rank], and output_device defaults to it.
         super().setup_environment()
         release_process_group_at_exit()
-
-    @override
-    def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
-        if self.root_device.type == "cuda" and self._ddp_kwargs.get("output_device") is None:
-            self._ddp_kwargs["output_device"] = self.root_device.index
-        return super()._setup_model(model)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -249,7 +239,7 @@ class DDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         _process_exit.a_run_failed = True
-        if any(isinstance(arg, str) and _UNUSED_PARAMETERS.search(arg) for arg in exception.args):
+        if any(isinstance(arg, str) and is_unused_parameters_error(arg) for arg in exception.args):
             exception.args = (self._explain_unused_parameters(str(exception)),)
             return
         super().on_exception(exception)
@@ -295,17 +285,16 @@ class DDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
         return (
             "DDP expected a gradient for every parameter, but these received none in the last step: "
             f"{listed}. Either make every parameter take part in the loss, or tell DDP to look for unused ones:"
-            " strategy=lightning_mgpu.DDPStrategy(find_unused_parameters=True) (slower: it walks the graph every"
-            " step), or static_graph=True when the same parameters are unused in every step. In YAML:"
-            " trainer.strategy: {class_path: lightning_mgpu.DDPStrategy, init_args: {find_unused_parameters: true}}."
+            " strategy=lightning_mgpu.MGPUDDPStrategy(find_unused_parameters=True) (slower: it walks the graph"
+            " every step), or static_graph=True when the same parameters are unused in every step. In YAML:"
+            " trainer.strategy: {class_path: lightning_mgpu.MGPUDDPStrategy,"
+            " init_args: {find_unused_parameters: true}}."
             f"\n\nThe original error from torch:\n{original}"
         )
 
     def _parameters_without_gradient(self, original: str) -> list[str]:
-        match = _UNUSED_INDICES.search(original)
         module = self.lightning_module
-        if match is None or module is None:
+        if module is None:
             return []
         trainable = [name for name, parameter in module.named_parameters() if parameter.requires_grad]
-        indices = [int(index) for index in match.group(1).split()]
-        return [trainable[index] for index in indices if index < len(trainable)]
+        return [trainable[index] for index in unused_parameter_indices(original) if index < len(trainable)]

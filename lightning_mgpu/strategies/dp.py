@@ -13,21 +13,18 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning_utilities.core.apply_func import apply_to_collection
-from torch import nn
 from typing_extensions import override
 
-from lightning_mgpu.engine import DataParallel
+from lightning_mgpu.engine import MGPUDataParallel
 from lightning_mgpu.errors import ConfigurationError
-from lightning_mgpu.hooks import call_step_end
-from lightning_mgpu.strategies._common import MGPUStrategyMixin
-from lightning_mgpu.strategies._health import StepHealth, stop_iteration_is_an_error
-from lightning_mgpu.strategies._replica_step import run_replica_step
+from lightning_mgpu.step.health import StepHealth, stop_iteration_is_an_error
+from lightning_mgpu.step.hooks import call_step_end
+from lightning_mgpu.step.replicas import mark_outside_replicas, run_replica_step
+from lightning_mgpu.strategies.base import MGPUStrategyMixin
 
 LIGHTNING_1X_NAME = "dp"
 """Lightning 1.x's name for its DataParallel strategy, registered as another name of ``mgpu_dp``."""
 
-_REPLICA_ATTRIBUTES = ("replica_index", "num_replicas")
-_ABSENT = object()
 _REDUCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "mean": lambda tensor: tensor.float().mean().to(tensor.dtype),  # as 1.x: in float, back to the tensor's dtype
     "avg": lambda tensor: tensor.float().mean().to(tensor.dtype),
@@ -37,7 +34,7 @@ _REDUCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-class DataParallelStrategy(MGPUStrategyMixin, ParallelStrategy):
+class MGPUDPStrategy(MGPUStrategyMixin, ParallelStrategy):
     """Split each batch across devices in one process and run the step of one replica per device in threads.
 
     The successor of Lightning 1.x's ``strategy="dp"``. Each step the batch is split along dim 0, the
@@ -84,7 +81,7 @@ class DataParallelStrategy(MGPUStrategyMixin, ParallelStrategy):
         )
         self._num_nodes = 1
         self._health = StepHealth(self.strategy_name)
-        self._replaced_attributes: dict[str, Any] = {}
+        self._restore_replica_attributes: Callable[[], None] = _nothing_to_restore
         self.sync_batchnorm = sync_batchnorm
 
     @classmethod
@@ -122,7 +119,7 @@ class DataParallelStrategy(MGPUStrategyMixin, ParallelStrategy):
     @override
     def root_device(self) -> torch.device:
         if not self.parallel_devices:
-            raise ConfigurationError("DataParallelStrategy has no devices yet; pass it to a Trainer first.")
+            raise ConfigurationError("MGPUDPStrategy has no devices yet; pass it to a Trainer first.")
         return self.parallel_devices[0]
 
     @property
@@ -164,25 +161,20 @@ class DataParallelStrategy(MGPUStrategyMixin, ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module
         assert module is not None
-        # Outside the replicas the module is "replica 0 of 1", so code that reads these runs anywhere; teardown
-        # puts back what the module had.
-        self._replaced_attributes = {name: vars(module).get(name, _ABSENT) for name in _REPLICA_ATTRIBUTES}
-        module.__dict__.update(replica_index=0, num_replicas=1)
+        self._restore_replica_attributes = mark_outside_replicas(module)
         self._prepare_module(trainer, module)
         super().setup(trainer)
+        # Wrapped after Lightning's setup (which moves the module to the root device), for two or more devices;
+        # with one device the module runs itself.
+        assert self.parallel_devices is not None
+        assert self.model is not None
+        if not isinstance(self.model, MGPUDataParallel) and len(self.parallel_devices) > 1:
+            self.model = MGPUDataParallel(self.model, self.parallel_devices, sync_batchnorm=self.sync_batchnorm)
 
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
-
-    @override
-    def _setup_model(self, model: nn.Module) -> nn.Module:
-        """Wrap the module for splitting across two or more devices; with one device it runs itself."""
-        assert self.parallel_devices is not None
-        if isinstance(model, DataParallel) or len(self.parallel_devices) == 1:
-            return model
-        return DataParallel(model, self.parallel_devices, sync_batchnorm=self.sync_batchnorm)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -243,14 +235,9 @@ class DataParallelStrategy(MGPUStrategyMixin, ParallelStrategy):
     def teardown(self) -> None:
         module = self.lightning_module
         self._release_module(module)
-        if module is not None:
-            for name, value in self._replaced_attributes.items():
-                if value is _ABSENT:
-                    module.__dict__.pop(name, None)
-                else:
-                    module.__dict__[name] = value
-            self._replaced_attributes = {}
-        if isinstance(self.model, DataParallel):
+        restore, self._restore_replica_attributes = self._restore_replica_attributes, _nothing_to_restore
+        restore()
+        if isinstance(self.model, MGPUDataParallel):
             self.model.close()
             self.model = self.lightning_module
         super().teardown()
@@ -269,7 +256,7 @@ class DataParallelStrategy(MGPUStrategyMixin, ParallelStrategy):
         if self.num_replicas == 1:  # nothing to split
             with stop_iteration_is_an_error(step):
                 return self._module_step(module, step, precision_context, args, kwargs)
-        if not isinstance(wrapper, DataParallel):
+        if not isinstance(wrapper, MGPUDataParallel):
             raise ConfigurationError(f"{step} was called before the mgpu_dp strategy was set up by a Trainer.")
         if step == "training_step" and not self.sync_batchnorm and self._health.wants("batchnorm"):
             self._health.check_batchnorm(
@@ -299,3 +286,7 @@ class DataParallelStrategy(MGPUStrategyMixin, ParallelStrategy):
         if step == "training_step":
             self._health.check_loss(result, lambda: f"at step {module.global_step}")
         return result
+
+
+def _nothing_to_restore() -> None:
+    return None

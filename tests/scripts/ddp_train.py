@@ -146,7 +146,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     model = MODELS[args.model]()
-    strategy_class = lightning_mgpu.DDPStrategy if args.strategy == "mgpu_ddp" else L.pytorch.strategies.DDPStrategy
+    strategy_class = lightning_mgpu.MGPUDDPStrategy if args.strategy == "mgpu_ddp" else L.pytorch.strategies.DDPStrategy
     callbacks: list[L.Callback] = [Recorder(args.out)]
     if args.scenario in ("fail", "exit"):
         callbacks.append(FailOnRank(args.fail_rank, exit_silently=args.scenario == "exit"))

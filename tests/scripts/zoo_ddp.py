@@ -39,7 +39,7 @@ def main() -> None:
                 distributed=True,
                 accelerator="cpu",
                 devices=DDP_WORLD_SIZE,
-                strategy=lightning_mgpu.DDPStrategy(timeout=timedelta(seconds=args.timeout)),
+                strategy=lightning_mgpu.MGPUDDPStrategy(timeout=timedelta(seconds=args.timeout)),
                 use_distributed_sampler=False,
             )
         except BaseException:

@@ -3,7 +3,7 @@
 On top of LightningCLI: the ``mgpu_*`` names are registered before any Trainer exists; a configuration that cannot
 start (a strategy name that nothing is registered under, GPUs this machine does not have, a class path that does not
 import) ends the command with one line naming the cause and the fix, where LightningCLI prints its usage or a
-traceback; a strategy given on the command line as a class path (``--trainer.strategy lightning_mgpu.DDPStrategy``)
+traceback; a strategy given on the command line as a class path (``--trainer.strategy lightning_mgpu.MGPUDDPStrategy``)
 is instantiated, where plain LightningCLI passes the string on and the Trainer rejects it (Lightning issue #19682);
 each run writes CSV logs (and TensorBoard logs when tensorboard is installed), checkpoints and its config under one
 folder (``<default_root_dir>/version_<n>``), which a command that fails before writing anything else leaves behind no
@@ -31,9 +31,9 @@ from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
 import lightning_mgpu  # noqa: F401 - registers mgpu_dp and mgpu_ddp before the Trainer is built
 from lightning_mgpu.checks import check_gpus_exist
-from lightning_mgpu.doctor.command import EXIT_USAGE, PROG
+from lightning_mgpu.cli import EXIT_USAGE, PROG
 from lightning_mgpu.errors import ConfigurationError
-from lightning_mgpu.registry import close_names
+from lightning_mgpu.strategies.registry import close_names
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 PREDICTIONS_FILE = "predictions.csv"
@@ -147,7 +147,8 @@ class MGPULightningCLI(LightningCLI):
             CommandError: the trainer configuration cannot work here (an unknown strategy name, GPUs that do not
                 exist, or any ``ConfigurationError`` of the strategy while the Trainer is built).
         """
-        trainer_config = self._get(self.config_init, "trainer", default={})
+        config = self.config_init.get(str(self.subcommand), self.config_init)  # under the subcommand, when one ran
+        trainer_config = config.get("trainer", {})
         try:
             check_gpus_exist(trainer_config.get("accelerator"), trainer_config.get("devices"))
             strategy = trainer_config.get("strategy")
@@ -301,7 +302,7 @@ def _check_strategy_name(name: str) -> None:
     raise StrategyNameError(
         f"trainer.strategy {name!r} is not a registered strategy name. {hint}lightning_mgpu registers mgpu_dp,"
         " mgpu_ddp and dp (Lightning 1.x's name for mgpu_dp); Lightning's own include ddp, ddp_spawn, fsdp and"
-        " deepspeed. A class path such as lightning_mgpu.DataParallelStrategy works too."
+        " deepspeed. A class path such as lightning_mgpu.MGPUDPStrategy works too."
     )
 
 
@@ -312,7 +313,7 @@ def _strategy_from_class_path(class_path: str) -> Strategy:
     except (ImportError, AttributeError) as error:
         raise ClassPathError(
             f"trainer.strategy {class_path!r} is neither a registered strategy name nor an importable class"
-            f" ({error}). Use a name such as mgpu_ddp, or a class path such as lightning_mgpu.DDPStrategy."
+            f" ({error}). Use a name such as mgpu_ddp, or a class path such as lightning_mgpu.MGPUDDPStrategy."
         ) from None
     if not (isinstance(strategy_class, type) and issubclass(strategy_class, Strategy)):
         raise ClassPathError(f"trainer.strategy {class_path!r} is not a Strategy subclass.")

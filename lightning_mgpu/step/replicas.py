@@ -1,6 +1,6 @@
 """One data-parallel step of a LightningModule: replicas run the step, then ``*_step_end`` or the default loss.
 
-Shared by ``DataParallelStrategy`` and the doctor, which runs the same step outside a Trainer.
+Shared by ``MGPUDPStrategy`` and the doctor, which runs the same step outside a Trainer.
 """
 
 from __future__ import annotations
@@ -13,16 +13,17 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from lightning_mgpu.engine import DataParallel, ReplicaOutputs, weighted_mean
+from lightning_mgpu._compat import set_lightning_device
+from lightning_mgpu.engine import MGPUDataParallel, ReplicaOutputs, weighted_mean
 from lightning_mgpu.engine.replicate import assigned_attributes, modules_of
 from lightning_mgpu.errors import ConfigurationError
-from lightning_mgpu.hooks import call_step_end, has_step_end
-from lightning_mgpu.strategies._health import StepHealth
-from lightning_mgpu.strategies._replica_log import ReplicaLog, replay
+from lightning_mgpu.step.health import StepHealth
+from lightning_mgpu.step.hooks import call_step_end, find_loss, has_step_end
+from lightning_mgpu.step.replica_log import ReplicaLog, replay
 
 
 def run_replica_step(
-    wrapper: DataParallel,
+    wrapper: MGPUDataParallel,
     module: pl.LightningModule,
     step: str,
     args: tuple[Any, ...],
@@ -46,14 +47,10 @@ def run_replica_step(
         )
     logs: list[ReplicaLog] = []
 
-    def prepare(replica: nn.Module, index: int, num_replicas: int, device: torch.device) -> None:
-        logs.append(prepare_replica(replica, index, num_replicas, device))
+    def prepare(replica: nn.Module, index: int, num_replicas: int, device: torch.device, rows: int) -> None:
+        logs.append(prepare_replica(replica, index, num_replicas, device, rows))
 
-    replica_outputs = wrapper.run(
-        step, args[0], args[1:], kwargs, context=lambda index, device: context(), prepare_replica=prepare
-    )
-    for log, rows in zip(logs, replica_outputs.sizes, strict=True):
-        log.rows = rows
+    replica_outputs = wrapper.run(step, args[0], args[1:], kwargs, context=context, prepare_replica=prepare)
     replay(logs, module, wrapper.root_device)
     if health is not None and health.wants(f"attributes in {step}"):
         assigned = assigned_attributes(module, replica_outputs.replicas[0], _SET_BY_PREPARE)
@@ -67,32 +64,46 @@ def run_replica_step(
         result = _reduce_loss(replica_outputs, gathered)
     if health is not None and step == "training_step":
         health.check_rows(sum(replica_outputs.sizes), len(wrapper.devices))
-        losses = [_loss_of(output) for output in replica_outputs.outputs]
+        losses = [find_loss(output)[1] for output in replica_outputs.outputs]
         health.check_loss(result, lambda: f"at step {module.global_step}", losses)
     return result
-
-
-def _loss_of(output: Any) -> Any:
-    return output.get("loss") if isinstance(output, dict) else output
 
 
 LOSS_WEIGHT = "loss_weight"
 """The key next to ``"loss"`` that states the count a replica's loss is a mean over (see ``_reduce_loss``)."""
 
+_ABSENT = object()
+
+
+def mark_outside_replicas(module: nn.Module) -> Callable[[], None]:
+    """Make ``module`` read as replica 0 of 1, which it is outside the replicas; returns what puts back its own.
+
+    So code that reads ``self.replica_index`` or ``self.num_replicas`` runs anywhere, ``MGPUMixin`` or not.
+    """
+    saved = {name: vars(module).get(name, _ABSENT) for name in ("replica_index", "num_replicas")}
+    module.__dict__.update(replica_index=0, num_replicas=1)
+
+    def restore() -> None:
+        for name, value in saved.items():
+            if value is _ABSENT:
+                module.__dict__.pop(name, None)
+            else:
+                module.__dict__[name] = value
+
+    return restore
+
+
 _SET_BY_PREPARE = frozenset({"replica_index", "num_replicas", "manual_backward", "log", "forward"})
 
 
-def prepare_replica(replica: nn.Module, index: int, num_replicas: int, device: torch.device) -> ReplicaLog:
+def prepare_replica(replica: nn.Module, index: int, num_replicas: int, device: torch.device, rows: int) -> ReplicaLog:
+    """Give a replica its place (``replica_index``, ``num_replicas``, ``device``) and a ``log`` that records."""
     setattr(replica, "replica_index", index)  # noqa: B010 - nn.Module's typed __setattr__ rejects an int
     setattr(replica, "num_replicas", num_replicas)  # noqa: B010
     for submodule in modules_of(replica):
-        # ``LightningModule.device`` reads the private ``_device`` of Lightning's DeviceDtypeModuleMixin; a replica's
-        # copy must name the replica's device (it already does when the replica shares the module's device). The
-        # only write to it; tests/test_dp.py checks it.
-        if vars(submodule).get("_device", device) != device:
-            setattr(submodule, "_device", device)  # noqa: B010
+        set_lightning_device(submodule, device)
     setattr(replica, "manual_backward", _refuse_manual_backward)  # noqa: B010
-    log = ReplicaLog(index, rows=0)
+    log = ReplicaLog(index, rows)
     setattr(replica, "log", log)  # noqa: B010 - an instance attribute shadows LightningModule.log
     return log
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch import nn
 
 CALLER_RUNS_STEP_END = "_mgpu_caller_runs_step_end"
@@ -56,3 +57,12 @@ def caller_runs_step_end(module: nn.Module) -> Iterator[None]:
         yield
     finally:
         module.__dict__[CALLER_RUNS_STEP_END] = previous
+
+
+def find_loss(output: Any) -> tuple[str | None, Any]:
+    """Where Lightning finds the loss in a training step's output, and the loss: ``(None, None)`` if it has none."""
+    if isinstance(output, torch.Tensor):
+        return "output", output
+    if isinstance(output, Mapping) and "loss" in output:
+        return "output['loss']", output["loss"]
+    return None, None

@@ -31,6 +31,7 @@ class ReplicaLog:
         self.records: list[tuple[str, Any, dict[str, Any]]] = []
 
     def __call__(self, name: str, value: Any, **kwargs: Any) -> None:
+        """Record ``self.log(name, value, **kwargs)``, checked as ``LightningModule.log`` would check it."""
         if isinstance(value, Metric):
             raise TypeError(
                 f"self.log({name!r}, <{type(value).__name__}>) was called inside replica {self.index}. Under mgpu_dp"

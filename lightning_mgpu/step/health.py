@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from tqdm import tqdm
+
+from lightning_mgpu.step.hooks import find_loss
 
 ACCELERATOR_CHECK_EVERY = 50
 
@@ -47,7 +49,7 @@ class StepHealth:
         On accelerators the check reads the loss only every ``ACCELERATOR_CHECK_EVERY`` steps (a read waits for the
         device), keeping a device-side flag in between, so a bad loss is reported at most that many steps late.
         """
-        loss = output.get("loss") if isinstance(output, Mapping) else output
+        _, loss = find_loss(output)
         if not isinstance(loss, torch.Tensor) or "loss" in self._reported:
             return
         finite = torch.isfinite(loss.detach()).all()

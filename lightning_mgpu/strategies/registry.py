@@ -6,9 +6,9 @@ import difflib
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_mgpu.strategies import DataParallelStrategy, DDPStrategy
+from lightning_mgpu.strategies import MGPUDDPStrategy, MGPUDPStrategy
 
-STRATEGIES = (DataParallelStrategy, DDPStrategy)
+STRATEGIES = (MGPUDPStrategy, MGPUDDPStrategy)
 
 
 def register_all() -> None:

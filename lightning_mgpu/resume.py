@@ -1,72 +1,125 @@
-"""What the two lightning_mgpu strategies share: checks, step_end ownership, exact resume, registration."""
+"""Exact resume from a mid-epoch checkpoint: the same sample order, the rest of the epoch, the same random streams.
+
+Lightning restarts an interrupted epoch from its first batch (the loop only counts how many batches remain), and
+does not save the random number generators, so a resumed run trains on other samples than the run it continues.
+The ``mgpu_*`` strategies wrap the training sampler in ``ResumableSampler``, store its epoch seed and the RNG states
+in the checkpoint, and on resume skip the batches already trained on and restore the RNG states.
+"""
 
 from __future__ import annotations
 
+import itertools
+import random
+from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, RandomSampler, Sampler
 
-from lightning_mgpu._lightning_private import (
+from lightning_mgpu._compat import (
+    batches_done_in_epoch,
     metric_states,
     restore_metric_states,
     restore_training_results,
     training_results_state,
     with_sampler,
 )
-from lightning_mgpu.checks import check_devices_exist
-from lightning_mgpu.hooks import claim_step_end, release_step_end
-from lightning_mgpu.model_checks import check_model, report
-from lightning_mgpu.strategies._resume import STATE_KEY, ResumableSampler, rng_states, set_rng_states
+
+STATE_KEY = "lightning_mgpu"
 
 
-class MGPUStrategyMixin:
-    """Put first among the bases of a Lightning ``ParallelStrategy`` subclass that sets ``strategy_name``."""
+class ResumableSampler(Sampler[int]):
+    """Yields what ``sampler`` yields, remembering what its order depends on, so a resumed epoch can repeat it.
 
-    strategy_name: str
-    _parallel_devices: list[torch.device] | None
+    ``RandomSampler`` draws a fresh seed from the global RNG at every epoch; this wrapper draws it the same way (so
+    the order equals the unwrapped sampler's) and keeps it. Deterministic samplers (sequential, distributed) need
+    nothing kept.
+    """
+
+    def __init__(self, sampler: Sampler[int]) -> None:
+        self.sampler = sampler
+        self.epoch_seed: int | None = None
+        self._resume_seed: int | None = None
+        self._skip = 0
+
+    def __len__(self) -> int:
+        return len(self.sampler)  # type: ignore[arg-type]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Forwarded to samplers that shuffle by epoch (``DistributedSampler``)."""
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+
+    def resume(self, seed: int | None, skip: int) -> None:
+        """Make the next epoch repeat the order of ``seed`` and start after its first ``skip`` indices."""
+        self._resume_seed = seed
+        self._skip = skip
+
+    def __iter__(self) -> Iterator[int]:
+        skip, self._skip = self._skip, 0
+        seed, self._resume_seed = self._resume_seed, None
+        indices = self._seeded_iter(seed) if self._draws_seed() else iter(self.sampler)
+        return itertools.islice(indices, skip, None) if skip else indices
+
+    def _draws_seed(self) -> bool:
+        return isinstance(self.sampler, RandomSampler) and self.sampler.generator is None
+
+    def _seeded_iter(self, seed: int | None) -> Iterator[int]:
+        sampler = self.sampler
+        assert isinstance(sampler, RandomSampler)
+        if seed is None:
+            seed = int(torch.empty((), dtype=torch.int64).random_().item())  # exactly as RandomSampler draws it
+        self.epoch_seed = seed
+        sampler.generator = torch.Generator().manual_seed(seed)
+        try:
+            indices = iter(sampler)
+            first = next(indices, None)  # RandomSampler reads its generator here
+        finally:
+            sampler.generator = None
+        if first is None:
+            return iter(())
+        return _chain(first, indices)
+
+
+def _chain(first: int, rest: Iterator[int]) -> Iterator[int]:
+    yield first
+    yield from rest
+
+
+def rng_states() -> dict[str, Any]:
+    """The global random number generators' states (torch, CUDA, numpy, Python)."""
+    kind, keys, position, has_gauss, cached = np.random.get_state(legacy=True)
+    keys_tensor = torch.from_numpy(np.asarray(keys, dtype=np.int64))
+    states: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        # Plain types and tensors only, so the checkpoint loads with torch.load(weights_only=True).
+        "numpy": [kind, keys_tensor, int(position), int(has_gauss), float(cached)],
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    """Restore what ``rng_states`` returned."""
+    torch.set_rng_state(states["torch"])
+    kind, keys, position, has_gauss, cached = states["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached))
+    random.setstate(states["python"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+class ExactResume:
+    """Strategy hooks that save and restore what exact resume needs; a base of both ``mgpu_*`` strategies."""
+
     _resumable: ResumableSampler | None = None
     _resume_state: dict[str, Any] | None = None
     _at_first_batch: dict[str, Any] | None = None
-
-    @property
-    def parallel_devices(self) -> list[torch.device] | None:
-        """The devices of this node; checked when assigned, so a missing CUDA device fails before any step runs."""
-        return self._parallel_devices
-
-    @parallel_devices.setter
-    def parallel_devices(self, parallel_devices: list[torch.device] | None) -> None:
-        if parallel_devices:
-            check_devices_exist(parallel_devices, self.strategy_name)
-        self._parallel_devices = parallel_devices
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register ``strategy_name`` only (never Lightning's own names); registering again replaces the entry."""
-        strategy_registry.register(cls.strategy_name, cls, description=cls.__name__, override=True)
-
-    def _prepare_module(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        """Check the model for multi-GPU traps before fitting, and take over calling its ``*_step_end`` hooks."""
-        if trainer.state.fn == TrainerFn.FITTING:
-            report(check_model(module), self.strategy_name)
-        claim_step_end(module)
-
-    @staticmethod
-    def _release_module(module: pl.LightningModule | None) -> None:
-        """Hand ``*_step_end`` back to ``MGPUMixin``, so the module runs under any other strategy afterwards.
-
-        Lightning's DDP strategy routes each step through the module's ``forward`` and, undoing that, leaves the
-        class's own ``forward`` behind as an attribute of the module; that attribute is removed too.
-        """
-        if module is None:
-            return
-        release_step_end(module)
-        forward = module.__dict__.get("forward")
-        own_forward = getattr(type(module), "forward", None)
-        if getattr(forward, "__self__", None) is module and getattr(forward, "__func__", None) is own_forward:
-            del module.__dict__["forward"]
 
     def process_dataloader(self, dataloader: object) -> object:
         """Wrap the training sampler so a mid-epoch checkpoint can resume on exactly the remaining samples."""
@@ -132,9 +185,8 @@ class MGPUStrategyMixin:
         trainer = self._trainer()
         if trainer is None or trainer.state.fn != TrainerFn.FITTING:
             return 0
-        # ``processed`` also counts the batch whose on_train_batch_end saved this checkpoint.
-        done = getattr(trainer.fit_loop.epoch_loop.batch_progress.current, "processed", 0)
-        return int(done) if 0 < done < trainer.num_training_batches else 0
+        done = batches_done_in_epoch(trainer)  # this counts the batch whose on_train_batch_end saves
+        return done if 0 < done < trainer.num_training_batches else 0
 
     def _trainer(self) -> pl.Trainer | None:
         module = self.lightning_module  # type: ignore[attr-defined]

@@ -1,0 +1,278 @@
+"""The one place that touches private torch, Lightning and torchmetrics API; each use says why and is tested.
+
+Everything else in the package uses public API only. When a supported release changes one of these, this module
+and ``tests/test_compat.py`` are what change. The module imports nothing from Lightning at import time, so the
+engine, which never imports Lightning, can use its torch part.
+
+torch:
+    A replica must behave like the module it copies, and torch gives no public way to copy three kinds of module
+    state: a module's own replication hook (RNNs keep caches of their weights), the forward that
+    ``torch.compile(module)`` binds to the module it wraps, and the call that ``module.compile()`` binds to the
+    module itself. Nor does it say which attributes its forward pre-hooks rewrite (``weight_norm``'s ``weight``),
+    or cheaply whether a thread has any torch function mode active (``parallel_apply`` asks every step). A replica
+    of a LightningModule is built without ``.to()``, so its device is set where ``.to()`` keeps it. DDP explains
+    parameters that got no gradient only in the text of its error.
+
+Lightning and torchmetrics:
+    Exact resume needs what Lightning does not checkpoint (the epoch's logged aggregates, the position in the
+    epoch) and what torchmetrics keeps out of the state dict (a metric's update count), and a faithful copy of a
+    DataLoader with another sampler, which only Lightning's private ``_update_dataloader`` builds.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Sampler
+
+try:  # torch.compile's module wrapper; absent where dynamo is not built in
+    from torch._dynamo.eval_frame import OptimizedModule
+except ImportError:  # pragma: no cover - every supported torch has it
+    OptimizedModule = None  # type: ignore[assignment,misc]
+
+# ---------------------------------------------------------------------------------------------------------- torch
+
+
+def has_own_replication(module: nn.Module) -> bool:
+    """Whether ``module``'s class overrides ``nn.Module._replicate_for_data_parallel`` (RNNs do, for their caches)."""
+    return type(module)._replicate_for_data_parallel is not nn.Module._replicate_for_data_parallel
+
+
+def own_replica(module: nn.Module) -> nn.Module:
+    """``module``'s own DataParallel replica: a shallow copy with the class's private caches copied too.
+
+    ``_replicate_for_data_parallel`` is the hook torch's ``replicate`` calls; only classes that override it (checked
+    by ``has_own_replication``) get here, because nn.Module's own version writes through ``__setattr__``, which
+    classes such as torch.compile's wrapper redirect into the module they wrap.
+    """
+    return module._replicate_for_data_parallel()
+
+
+def is_compiled_wrapper(module: nn.Module) -> bool:
+    """Whether ``module`` is the wrapper that ``torch.compile(module)`` returns."""
+    return OptimizedModule is not None and isinstance(module, OptimizedModule)
+
+
+def bind_compiled_wrapper(shell: nn.Module) -> None:
+    """Point a replica of ``torch.compile(module)``'s wrapper at the replica of the wrapped module.
+
+    The wrapper keeps a ``forward`` bound to the module it wrapped; ``_initialize`` is what binds it, in the wrapper's
+    constructor and after unpickling, so calling it again on the replica binds the replica's own copy.
+    """
+    shell._initialize()  # type: ignore[operator]
+
+
+def compiled_call(module: nn.Module) -> Callable[..., Any] | None:
+    """The compiled call that ``module.compile()`` installed, or ``None`` for a module compiled in no such way."""
+    return module.__dict__.get("_compiled_call_impl")
+
+
+def recompile_call(compiled: Callable[..., Any], shell: nn.Module) -> Callable[..., Any] | None:
+    """``compiled`` (from ``module.compile(...)``) applied to ``shell`` with the same compiler settings.
+
+    ``torch.compile(fn, ...)`` returns a wrapper whose closure holds the compile context (backend, mode, options)
+    as ``self``; applying that context to the replica's own ``_call_impl`` is what ``shell.compile(...)`` with the
+    original arguments would do. Returns ``None`` when the context cannot be found (a torch that builds the wrapper
+    differently), so the caller can fall back to running the replica uncompiled.
+    """
+    code = getattr(compiled, "__code__", None)
+    closure = getattr(compiled, "__closure__", None)
+    if code is None or closure is None or "self" not in code.co_freevars:
+        return None
+    context = closure[code.co_freevars.index("self")].cell_contents
+    if not callable(context):
+        return None
+    rebound = context(shell._call_impl)
+    return rebound if callable(rebound) else None
+
+
+def names_rewritten_by_hooks(module: nn.Module, owned: Callable[[type], bool]) -> set[str]:
+    """Attributes that forward pre-hooks of classes accepted by ``owned`` rewrite before every forward.
+
+    ``weight_norm``, ``spectral_norm`` and ``torch.nn.utils.prune`` replace a parameter by a plain tensor attribute
+    that their hook object recomputes from registered state; the hook object names that attribute in one of its
+    string fields (``name``, ``_tensor_name``). The hooks live in the private ``_forward_pre_hooks``.
+    """
+    names: set[str] = set()
+    for hook in module._forward_pre_hooks.values():
+        owner = getattr(hook, "__self__", hook)
+        if owned(type(owner)) and hasattr(owner, "__dict__"):
+            names.update(value for value in vars(owner).values() if isinstance(value, str))
+    return names
+
+
+def is_torch_class(cls: type) -> bool:
+    """Whether ``cls`` is defined by torch itself."""
+    return str(getattr(cls, "__module__", "")).partition(".")[0] == "torch"
+
+
+_len_torch_function_stack: Callable[[], int] | None = getattr(torch._C, "_len_torch_function_stack", None)
+
+
+def function_mode_depth() -> int | None:
+    """How many torch function modes are active on this thread, or ``None`` where torch does not say."""
+    return None if _len_torch_function_stack is None else _len_torch_function_stack()
+
+
+def compiled_original(module: nn.Module) -> nn.Module:
+    """The module inside ``torch.compile(module)``'s wrapper, kept as ``_orig_mod``, which has no public accessor."""
+    original = module._orig_mod
+    assert isinstance(original, nn.Module)
+    return original
+
+
+def set_lightning_device(module: nn.Module, device: torch.device) -> None:
+    """Make a LightningModule replica's ``device`` property say ``device``.
+
+    The property reads ``_device``, which Lightning's ``.to()`` keeps up to date; a replica is never moved with
+    ``.to()`` (its tensors are made on its device), so the attribute is set on the replica directly.
+    """
+    if vars(module).get("_device", device) != device:
+        module.__dict__["_device"] = device
+
+
+_DDP_UNUSED_PARAMETERS = re.compile(r"Expected to have finished reduction in the prior iteration")
+_DDP_UNUSED_INDICES = re.compile(r"Parameter indices which did not receive grad for rank \d+: ([\d ]+)")
+
+
+def is_unused_parameters_error(message: str) -> bool:
+    """Whether ``message`` is DDP's error for parameters that received no gradient in the previous step."""
+    return _DDP_UNUSED_PARAMETERS.search(message) is not None
+
+
+def unused_parameter_indices(message: str) -> list[int]:
+    """The indices, among the trainable parameters, that DDP's error names; empty when it names none.
+
+    torch lists them only at ``TORCH_DISTRIBUTED_DEBUG=INFO`` or more, and only as positions, not names.
+    """
+    match = _DDP_UNUSED_INDICES.search(message)
+    return [int(index) for index in match.group(1).split()] if match else []
+
+
+# ---------------------------------------------------------------------------------- Lightning and torchmetrics
+
+
+def batches_done_in_epoch(trainer: Any) -> int:
+    """How many training batches of the current epoch have run, counted by the fit loop's progress tracker.
+
+    The loop's progress objects are not documented API; ``processed`` also counts the batch whose
+    ``on_train_batch_end`` is running.
+    """
+    return int(getattr(trainer.fit_loop.epoch_loop.batch_progress.current, "processed", 0))
+
+
+def with_sampler(dataloader: DataLoader, sampler: Sampler) -> DataLoader:
+    """A copy of ``dataloader`` that draws its indices from ``sampler``.
+
+    A DataLoader's sampler cannot be replaced after construction, and rebuilding one faithfully (custom subclasses,
+    their init arguments, batch samplers) is what Lightning's private ``_update_dataloader`` does when it injects its
+    own distributed samplers. Reusing it keeps our copy exactly as faithful as Lightning's.
+    """
+    from lightning.pytorch.utilities.data import _update_dataloader
+
+    return _update_dataloader(dataloader, sampler)
+
+
+def training_results_state(trainer: Any) -> list[dict[str, Any]]:
+    """The running epoch aggregates of the values logged in training so far (sums, counts, max, min).
+
+    Lightning keeps them in the training loop's private ``_ResultCollection`` and does not checkpoint them, so a run
+    resumed mid-epoch would report epoch metrics over the resumed part only. Each entry keeps what
+    ``_ResultCollection.log`` needs to rebuild it.
+    """
+    entries = []
+    for metric in trainer.fit_loop.epoch_loop._results.values():
+        meta = metric.meta
+        if not metric.is_tensor or meta.sync.group is not None:
+            continue  # torchmetrics objects keep their own state; process groups cannot be saved
+        entries.append(
+            {
+                "fx": meta.fx,
+                "name": meta.name,
+                "options": {
+                    "prog_bar": meta.prog_bar,
+                    "logger": meta.logger,
+                    "on_step": meta.on_step,
+                    "on_epoch": meta.on_epoch,
+                    "reduce_fx": meta.reduce_fx.__name__,
+                    "enable_graph": meta.enable_graph,
+                    "add_dataloader_idx": meta.add_dataloader_idx,
+                    "metric_attribute": meta.metric_attribute,
+                    "sync_dist": meta.sync.should,
+                    "rank_zero_only": meta.sync.rank_zero_only,
+                },
+                "value": metric.value.detach().cpu(),
+                "count": metric.cumulated_batch_size.cpu() if meta.is_mean_reduction else None,
+            }
+        )
+    return entries
+
+
+def restore_training_results(trainer: Any, entries: list[dict[str, Any]]) -> None:
+    """Log ``entries`` once, so the epoch aggregates continue from where the interrupted run stopped.
+
+    Call it at the start of the first resumed batch: Lightning clears the aggregates at the first ``self.log`` of a
+    run's first batch (it takes that batch for an epoch's first), so that clearing is switched off here too.
+    """
+    results = trainer.fit_loop.epoch_loop._results
+    if entries:
+        trainer._logger_connector._first_loop_iter = False
+    for entry in entries:
+        value, count = entry["value"], entry["count"]
+        if count is not None:  # a mean: one logged value of the right weight adds back the sum and the count
+            if int(count) == 0:
+                continue
+            value, batch_size = value / count, int(count)
+        else:
+            batch_size = 1
+        results.log(
+            entry["fx"],
+            entry["name"],
+            value.to(trainer.strategy.root_device),
+            sync_dist_fn=trainer.strategy.reduce,
+            batch_size=batch_size,
+            **entry["options"],
+        )
+
+
+def metric_states(module: Any) -> dict[str, dict[str, Any]]:
+    """The accumulated state of every torchmetrics ``Metric`` inside ``module``, by module path.
+
+    A metric's states are not in the checkpoint (torchmetrics registers them as non-persistent), so a run resumed
+    mid-epoch would compute its epoch value over the resumed batches only. ``metric_state`` is public; the number of
+    updates, which some metrics read in ``compute``, is the private ``_update_count``.
+    """
+    from torchmetrics import Metric
+
+    states = {}
+    for name, metric in module.named_modules():
+        if isinstance(metric, Metric):
+            state = {key: _detached(value) for key, value in metric.metric_state.items()}
+            states[name] = {"state": state, "updates": int(metric._update_count)}
+    return states
+
+
+def restore_metric_states(module: Any, states: dict[str, dict[str, Any]]) -> None:
+    """Put back what ``metric_states`` returned, on the metrics' own devices."""
+    from torchmetrics import Metric
+
+    metrics = {name: metric for name, metric in module.named_modules() if isinstance(metric, Metric)}
+    for name, saved in states.items():
+        metric = metrics.get(name)
+        if metric is None:
+            continue
+        device = metric.device
+        for key, value in saved["state"].items():
+            setattr(metric, key, [item.to(device) for item in value] if isinstance(value, list) else value.to(device))
+        metric._update_count = saved["updates"]
+        metric._computed = None
+
+
+def _detached(value: Any) -> Any:
+    if isinstance(value, list):
+        return [item.detach().cpu().clone() for item in value]
+    return value.detach().cpu().clone()

@@ -1,0 +1,57 @@
+"""What the two lightning_mgpu strategies share: device and model checks, ``*_step_end`` ownership, exact resume."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.trainer.states import TrainerFn
+
+from lightning_mgpu.checks import check_devices_exist, check_model, report
+from lightning_mgpu.resume import ExactResume
+from lightning_mgpu.step.hooks import claim_step_end, release_step_end
+
+
+class MGPUStrategyMixin(ExactResume):
+    """Put first among the bases of a Lightning ``ParallelStrategy`` subclass that sets ``strategy_name``."""
+
+    strategy_name: str
+
+    @property
+    def parallel_devices(self) -> list[torch.device] | None:
+        """The devices of this node; checked when assigned, so a missing CUDA device fails before any step runs."""
+        return super().parallel_devices  # type: ignore[misc]
+
+    @parallel_devices.setter
+    def parallel_devices(self, parallel_devices: list[torch.device] | None) -> None:
+        if parallel_devices:
+            check_devices_exist(parallel_devices, self.strategy_name)
+        # Lightning's own property: the strategy's class, looked up past this mixin, gives it unbound.
+        super(MGPUStrategyMixin, type(self)).parallel_devices.fset(self, parallel_devices)  # type: ignore[misc]
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``strategy_name`` only (never Lightning's own names); registering again replaces the entry."""
+        strategy_registry.register(cls.strategy_name, cls, description=cls.__name__, override=True)
+
+    def _prepare_module(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        """Check the model for multi-GPU traps before fitting, and take over calling its ``*_step_end`` hooks."""
+        if trainer.state.fn == TrainerFn.FITTING:
+            report(check_model(module), self.strategy_name)
+        claim_step_end(module)
+
+    @staticmethod
+    def _release_module(module: pl.LightningModule | None) -> None:
+        """Hand ``*_step_end`` back to ``MGPUMixin``, so the module runs under any other strategy afterwards.
+
+        Lightning's DDP strategy routes each step through the module's ``forward`` and, undoing that, leaves the
+        class's own ``forward`` behind as an attribute of the module; that attribute is removed too.
+        """
+        if module is None:
+            return
+        release_step_end(module)
+        forward = module.__dict__.get("forward")
+        own_forward = getattr(type(module), "forward", None)
+        if getattr(forward, "__self__", None) is module and getattr(forward, "__func__", None) is own_forward:
+            del module.__dict__["forward"]

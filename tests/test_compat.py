@@ -1,0 +1,182 @@
+"""Every private torch, Lightning and torchmetrics API in ``lightning_mgpu._compat``, each tested on its own.
+
+An upgrade that changes one of them fails here first, naming the function, before it fails in a training run.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from lightning_mgpu import _compat
+from lightning_mgpu._compat import with_sampler
+from lightning_mgpu.strategies.samplers import EvenlyShardedSampler
+
+
+class TaggedLoader(DataLoader):
+    def __init__(self, dataset: TensorDataset, tag: str, **kwargs: object) -> None:
+        super().__init__(dataset, **kwargs)
+        self.tag = tag
+
+
+def _dataset(rows: int = 5) -> TensorDataset:
+    return TensorDataset(torch.arange(float(rows)))
+
+
+def test_with_sampler_rebuilds_the_loader_around_the_new_sampler() -> None:
+    data = _dataset()
+    original = TaggedLoader(data, "mine", batch_size=2, sampler=DistributedSampler(data, num_replicas=2, rank=1))
+    rebuilt = with_sampler(original, EvenlyShardedSampler(data, num_replicas=2, rank=1, shuffle=False))
+    assert isinstance(rebuilt, TaggedLoader)
+    assert rebuilt.tag == "mine"
+    assert rebuilt.batch_size == 2
+    assert [batch[0].tolist() for batch in rebuilt] == [[1.0, 3.0]]
+
+
+def test_metric_states_round_trip_with_their_update_count() -> None:
+    import torchmetrics
+
+    from lightning_mgpu._compat import metric_states, restore_metric_states
+
+    holder = torch.nn.Module()
+    holder.mean = torchmetrics.MeanMetric()
+    holder.cat = torchmetrics.CatMetric()
+    for value in (1.0, 2.0, 6.0):
+        holder.mean.update(value)
+        holder.cat.update(torch.tensor([value]))
+    saved = metric_states(holder)
+    fresh = torch.nn.Module()
+    fresh.mean = torchmetrics.MeanMetric()
+    fresh.cat = torchmetrics.CatMetric()
+    restore_metric_states(fresh, saved)
+    assert fresh.mean.update_count == 3
+    assert fresh.mean.compute().item() == 3.0
+    assert fresh.cat.compute().tolist() == [1.0, 2.0, 6.0]
+
+
+# ---------------------------------------------------------------------------------------------------------- torch
+
+
+def test_own_replication_is_found_and_used_for_rnns_only() -> None:
+    lstm = nn.LSTM(3, 4)
+    assert _compat.has_own_replication(lstm)
+    assert not _compat.has_own_replication(nn.Linear(3, 4))
+    replica = _compat.own_replica(lstm)
+    assert replica is not lstm
+    assert type(replica) is nn.LSTM
+    assert replica._flat_weights_names == lstm._flat_weights_names
+
+
+def test_compiled_wrappers_are_recognised_and_opened() -> None:
+    module = nn.Linear(3, 4)
+    compiled = torch.compile(module)
+    assert _compat.is_compiled_wrapper(compiled)
+    assert not _compat.is_compiled_wrapper(module)
+    assert _compat.compiled_original(compiled) is module
+
+
+def test_a_compile_call_is_found_and_rebound_to_another_module() -> None:
+    module, other = nn.Linear(3, 4), nn.Linear(3, 4)
+    assert _compat.compiled_call(module) is None
+    module.compile(backend="eager")
+    call = _compat.compiled_call(module)
+    assert call is not None
+    rebound = _compat.recompile_call(call, other)
+    assert rebound is not None
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(rebound(x), other(x), rtol=0, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore:.*weight_norm.*is deprecated:FutureWarning")
+def test_attributes_rewritten_by_torch_hooks_are_named() -> None:
+    legacy = torch.nn.utils.weight_norm(nn.Linear(3, 4))  # the form that recomputes ``weight`` in a pre-hook
+    assert "weight" in _compat.names_rewritten_by_hooks(legacy, _compat.is_torch_class)
+    assert _compat.names_rewritten_by_hooks(nn.Linear(3, 4), _compat.is_torch_class) == set()
+    assert _compat.is_torch_class(nn.Linear)
+    assert not _compat.is_torch_class(pl.LightningModule)
+
+
+def test_function_mode_depth_counts_active_modes() -> None:
+    from torch.overrides import TorchFunctionMode
+
+    outside = _compat.function_mode_depth()
+    assert outside == 0
+    with TorchFunctionMode():
+        assert _compat.function_mode_depth() == 1
+
+
+def test_a_replica_device_is_what_the_lightning_module_reports() -> None:
+    module = pl.LightningModule()
+    assert module.device == torch.device("cpu")
+    _compat.set_lightning_device(module, torch.device("meta"))
+    assert module.device == torch.device("meta")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class _HalfUsed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(3, 1)
+        self.unused = nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def test_ddps_unused_parameter_error_is_recognised_with_its_indices(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        model = nn.parallel.DistributedDataParallel(_HalfUsed())
+        model(torch.randn(2, 3)).sum().backward()
+        with pytest.raises(RuntimeError) as caught:
+            model(torch.randn(2, 3)).sum().backward()
+    finally:
+        dist.destroy_process_group()
+    message = str(caught.value)
+    assert _compat.is_unused_parameters_error(message)
+    assert _compat.unused_parameter_indices(message) == [2, 3]  # unused.weight, unused.bias
+    assert not _compat.is_unused_parameters_error("CUDA out of memory")
+    assert _compat.unused_parameter_indices("CUDA out of memory") == []
+
+
+# ---------------------------------------------------------------------------------- Lightning and torchmetrics
+
+
+class _Counting(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(2, 1)
+        self.done: list[int] = []
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.layer(batch[0]).sum()
+
+    def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
+        self.done.append(_compat.batches_done_in_epoch(self.trainer))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_batches_done_in_epoch_counts_the_running_batch() -> None:
+    module = _Counting()
+    loader = DataLoader(TensorDataset(torch.randn(6, 2)), batch_size=2)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False
+    )
+    trainer.fit(module, loader)
+    assert module.done == [1, 2, 3, 1, 2, 3]
