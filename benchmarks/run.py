@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             "cpus": os.cpu_count(),
             "gpus": ", ".join(torch.cuda.get_device_name(d) for d in devices) if args.device == "cuda" else "",
             "git": _git_revision(),
-            "when": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "when": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "duration_s": time.perf_counter() - started,
             "load_average": {"before": load_before, "after": _load()},
             "ddp_repeats": mode.ddp_repeats,

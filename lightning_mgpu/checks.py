@@ -3,7 +3,7 @@
 Each finding names the attribute and the fix. Errors stop ``fit`` under the ``mgpu_*`` strategies; warnings are
 shown once. The doctor runs the same model checks.
 
-The checks judge only what the user wrote. torch, torchmetrics and Lightning keep bookkeeping of their own in plain
+The checks judge only the model's own code. torch, torchmetrics and Lightning keep bookkeeping of their own in plain
 attributes (an RNN's list of its flat weights, the tensor that ``weight_norm`` recomputes before every forward, a
 metric's states) and handle it themselves; flagging it would refuse stock models and give advice that breaks them.
 An attribute is theirs when a class of theirs in the module's MRO stores it (read from that class's source, so a
@@ -19,8 +19,9 @@ import ast
 import functools
 import inspect
 import textwrap
+import types
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -179,12 +180,23 @@ def _baseline() -> frozenset[str]:
     function outside the class, where reading the class's source would not find it.
     """
     lightning_module = pl.LightningModule()
-    lightning_module.save_hyperparameters({"baseline": 0})
+    # A suspended generator's frame has no callers: Lightning, which looks for ``__init__`` arguments in the frames
+    # above the one it is given, finds none, instead of taking a method of ours that calls ``super()`` for one.
+    lightning_module.save_hyperparameters({"baseline": 0}, frame=_frame_without_callers())
     return frozenset(vars(nn.Module())) | frozenset(vars(lightning_module))
 
 
+def _frame_without_callers() -> types.FrameType | None:
+    def suspended() -> Generator[None, None, None]:
+        yield
+
+    generator = suspended()
+    assert isinstance(generator, types.GeneratorType)
+    return generator.gi_frame
+
+
 def _stored_by_stock_code(module: nn.Module, name: str) -> bool:
-    """Whether attribute ``name`` of ``module`` is kept by torch, torchmetrics or Lightning rather than by the user."""
+    """Whether attribute ``name`` of ``module`` is kept by torch, torchmetrics or Lightning, not by the model's code."""
     if name in names_rewritten_by_hooks(module, _is_stock):
         return True
     for cls in type(module).__mro__:

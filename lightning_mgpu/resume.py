@@ -157,9 +157,9 @@ class ExactResume:
         checkpoint[STATE_KEY] = {"ranks": _gather_objects(state)}
         super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """When resuming a fit, restore this rank's RNG states now and keep the rest for the training dataloader."""
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)  # type: ignore[misc]
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)  # type: ignore[misc]
         ranks = checkpoint.get(STATE_KEY, {}).get("ranks")
         if ranks and self._fn() == TrainerFn.FITTING:
             rank = self.global_rank if len(ranks) == self.world_size else 0  # type: ignore[attr-defined]

@@ -2,7 +2,7 @@
 
 Lightning's result collection is not thread-safe and knows nothing of replicas, so replicas never touch it: each
 replica's ``log`` only records, and after the step the values of each name are combined (mean weighted by the rows
-each replica saw, or the ``reduce_fx`` the user chose) and handed to the real ``LightningModule.log``.
+each replica saw, or the ``reduce_fx`` given to ``self.log``) and handed to the real ``LightningModule.log``.
 
 ``reduce_fx`` takes exactly what ``LightningModule.log`` takes, and means the same across replicas as Lightning
 makes it mean across steps and processes.
