@@ -9,9 +9,13 @@ torch:
     state: a module's own replication hook (RNNs keep caches of their weights), the forward that
     ``torch.compile(module)`` binds to the module it wraps, and the call that ``module.compile()`` binds to the
     module itself. Nor does it say which attributes its forward pre-hooks rewrite (``weight_norm``'s ``weight``),
-    or cheaply whether a thread has any torch function mode active (``parallel_apply`` asks every step). A replica
+    or cheaply whether a thread has any torch function mode active (``parallel_apply`` asks every step). BatchNorm
+    over the whole batch needs the BatchNorm base class and its input check, neither exported. A replica
     of a LightningModule is built without ``.to()``, so its device is set where ``.to()`` keeps it. DDP explains
-    parameters that got no gradient only in the text of its error.
+    parameters that got no gradient only in the text of its error. (A module's registries ``_parameters``,
+    ``_buffers`` and ``_modules``, which ``engine/replicate.py`` fills for each replica as torch's own ``replicate``
+    does, are treated as nn.Module's stable interface, like ``torch.nn.utils.stateless``; tests/test_replicate.py
+    covers them.)
 
 Lightning and torchmetrics:
     Exact resume needs what Lightning does not checkpoint (the epoch's logged aggregates, the position in the
@@ -116,6 +120,15 @@ _len_torch_function_stack: Callable[[], int] | None = getattr(torch._C, "_len_to
 def function_mode_depth() -> int | None:
     """How many torch function modes are active on this thread, or ``None`` where torch does not say."""
     return None if _len_torch_function_stack is None else _len_torch_function_stack()
+
+
+BatchNorm = nn.modules.batchnorm._BatchNorm
+"""The base class of ``BatchNorm1d/2d/3d`` and ``SyncBatchNorm`` (lazy ones too), which torch does not export."""
+
+
+def check_batchnorm_input(layer: BatchNorm, x: torch.Tensor) -> None:
+    """Raise torch's own error for an input of the wrong rank, as ``layer``'s forward would first."""
+    layer._check_input_dim(x)
 
 
 def compiled_original(module: nn.Module) -> nn.Module:

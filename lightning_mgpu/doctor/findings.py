@@ -9,6 +9,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 from torch import nn
 
+from lightning_mgpu._compat import BatchNorm
 from lightning_mgpu.checks import Finding
 from lightning_mgpu.doctor.report import Comparison, DoctorReport, Kind, Target
 from lightning_mgpu.doctor.runs import Run
@@ -21,7 +22,7 @@ def batchnorm_names(model: nn.Module) -> list[str]:
     return [
         name
         for name, module in model.named_modules()
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, nn.SyncBatchNorm)
+        if isinstance(module, BatchNorm) and not isinstance(module, nn.SyncBatchNorm)
     ]
 
 

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_mgpu._compat import BatchNorm, check_batchnorm_input
+
 _EMPTY = object()
 
 
@@ -91,9 +93,7 @@ def batchnorm_paths(module: nn.Module) -> list[tuple[int, str]]:
     """The positions in ``module.modules()`` and the names of its BatchNorm layers."""
     names = {id(layer): name for name, layer in module.named_modules()}
     return [
-        (position, names[id(layer)])
-        for position, layer in enumerate(module.modules())
-        if isinstance(layer, nn.modules.batchnorm._BatchNorm)
+        (position, names[id(layer)]) for position, layer in enumerate(module.modules()) if isinstance(layer, BatchNorm)
     ]
 
 
@@ -106,19 +106,19 @@ def synchronise(
         calls: dict[str, int] = {}
         for position, name in layers:
             layer = modules[position]
-            assert isinstance(layer, nn.modules.batchnorm._BatchNorm)
+            assert isinstance(layer, BatchNorm)
             layer.__dict__["forward"] = functools.partial(_forward, layer, name, index, rendezvous, calls)
 
 
 def _forward(
-    layer: nn.modules.batchnorm._BatchNorm,
+    layer: BatchNorm,
     name: str,
     index: int,
     rendezvous: ReplicaRendezvous,
     calls: dict[str, int],
     x: torch.Tensor,
 ) -> torch.Tensor:
-    layer._check_input_dim(x)
+    check_batchnorm_input(layer, x)
     uses_batch_statistics = layer.training or (layer.running_mean is None and layer.running_var is None)
     if not uses_batch_statistics:
         return type(layer).forward(layer, x)
@@ -146,9 +146,7 @@ def _forward(
 
 
 @torch.no_grad()
-def _update_running_statistics(
-    layer: nn.modules.batchnorm._BatchNorm, mean: torch.Tensor, unbiased_variance: torch.Tensor
-) -> None:
+def _update_running_statistics(layer: BatchNorm, mean: torch.Tensor, unbiased_variance: torch.Tensor) -> None:
     factor = 0.0 if layer.momentum is None else layer.momentum
     if layer.num_batches_tracked is not None:
         layer.num_batches_tracked.add_(1)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from lightning_mgpu._compat import BatchNorm
 from lightning_mgpu.step.hooks import find_loss
 
 ACCELERATOR_CHECK_EVERY = 50
@@ -83,9 +84,7 @@ class StepHealth:
         layers = [
             name
             for name, layer in module.named_modules()
-            if isinstance(layer, torch.nn.modules.batchnorm._BatchNorm)
-            and not isinstance(layer, torch.nn.SyncBatchNorm)
-            and layer.training
+            if isinstance(layer, BatchNorm) and not isinstance(layer, torch.nn.SyncBatchNorm) and layer.training
         ]
         if layers:
             self._report(
