@@ -1,13 +1,45 @@
 import os
+import subprocess
 import sys
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from processes import SELECTED_LAUNCHES  # noqa: E402
+
 import lightning_mgpu  # noqa: E402,F401  (registers the strategies)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Record the launches that the selected tests wait for: the ``launch`` parameter of each test using ``launches``.
+
+    ``tests/test_cli.py``'s ``launches`` fixture starts those, and only those, together.
+    """
+    session.config.stash[SELECTED_LAUNCHES] = {
+        item.callspec.params["launch"]
+        for item in session.items
+        if "launches" in getattr(item, "fixturenames", ())
+        and "launch" in getattr(getattr(item, "callspec", None), "params", {})
+    }
+
+
+@pytest.fixture(autouse=True)
+def _processes_only_in_slow_tests(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test that starts a process must be marked slow, so that ``-m "not slow"`` starts none."""
+    if request.node.get_closest_marker("slow") is not None:
+        return
+
+    def refuse(self: subprocess.Popen, args: Any, *rest: Any) -> None:
+        raise RuntimeError(
+            f"{request.node.nodeid} starts a process ({args!r}) but is not marked slow: add @pytest.mark.slow"
+        )
+
+    # Popen.__init__ calls this to start the child and cleans up after it when it raises.
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
 
 
 @pytest.fixture(autouse=True)

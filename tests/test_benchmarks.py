@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+from processes import clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
 ROW_NAMES = (
@@ -35,10 +37,9 @@ ROW_NAMES = (
 OVERHEAD_ROWS = ("overhead/1_replica", "overhead/2_replicas", "overhead/4_replicas")
 
 
+@pytest.mark.slow
 def test_smoke_mode_writes_every_row(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "PL_"))}
-    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK"):
-        env.pop(key, None)
+    env = clean_env()
     command = [sys.executable, "-m", "benchmarks.run", "--smoke", "--device", "cpu", "--out", str(tmp_path)]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, check=False)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

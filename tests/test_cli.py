@@ -3,8 +3,9 @@
 Every file in ``configs/`` runs here. ``mgpu_dp`` runs go through ``lightning_mgpu.cli.main`` in this process; every
 run that starts its own processes (``mgpu_ddp`` with 2 devices re-runs the command line, the example scripts, the
 README, the legacy launcher) or whose output must be seen as a terminal shows it (stdout and stderr interleaved) is
-a real subprocess. Those are started together when this module's tests begin (only the ones the selected
-tests need), so they run alongside the in-process tests, and each test then waits for its own, with a timeout.
+a real subprocess. Those are started together by the ``launches`` fixture when the first test that waits for one
+begins (only the ones the selected tests need, as ``tests/conftest.py`` records), so they run alongside the
+in-process tests after it, and each test then waits for its own, with a timeout.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from processes import SELECTED_LAUNCHES, clean_env, free_ports
+from run_folders import column, read_metrics
 
 import lightning_mgpu
 from lightning_mgpu.cli import main
@@ -84,15 +86,6 @@ def parse_summary(output: str) -> Summary:
         metrics,
         files,
     )
-
-
-def read_metrics(run_folder: Path) -> list[dict[str, str]]:
-    with open(run_folder / "metrics.csv") as metrics_file:
-        return list(csv.DictReader(metrics_file))
-
-
-def column(rows: list[dict[str, str]], name: str) -> list[float]:
-    return [float(row[name]) for row in rows if row.get(name)]
 
 
 @pytest.fixture(autouse=True)
@@ -176,25 +169,6 @@ class Launch:
             self.process.wait()
 
 
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
-def _clean_env(port: int) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "PL_"))}
-    for key in ("MASTER_ADDR", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK"):
-        env.pop(key, None)
-    env.update(MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return env
-
-
 def _readme_usage() -> str:
     """The README's ```python block with ``Trainer(strategy="mgpu_dp"``, found by content, not by position."""
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.DOTALL)
@@ -203,15 +177,16 @@ def _readme_usage() -> str:
     return usage[0]
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def launches(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Launch]]:
-    selected = {
-        item.callspec.params["launch"]
-        for item in request.session.items
-        if item.module is request.module and "launch" in getattr(getattr(item, "callspec", None), "params", {})
-    }
+    """Every launch that a selected test waits for, all started at once when the first of those tests begins.
+
+    Which ones: the ``launch`` parameters of the selected tests that request this fixture, recorded by
+    ``tests/conftest.py`` once collection is over.
+    """
+    selected = request.config.stash.get(SELECTED_LAUNCHES, set(LAUNCHES))
     started: dict[str, Launch] = {}
-    for (name, (args, where)), port in zip(LAUNCHES.items(), _free_ports(len(LAUNCHES)), strict=True):
+    for (name, (args, where)), port in zip(LAUNCHES.items(), free_ports(len(LAUNCHES)), strict=True):
         if name not in selected:
             continue
         folder = tmp_path_factory.mktemp("launch")
@@ -231,7 +206,7 @@ def launches(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
             process = subprocess.Popen(
                 [sys.executable, *args],
                 cwd=ROOT if where == "root" else cwd,
-                env=_clean_env(port),
+                env=clean_env(MASTER_PORT=str(port)),
                 stdout=output,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -445,6 +420,7 @@ def terminal(output: bytes) -> list[str]:
     return [line.rstrip() for line in lines]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launch", ["idle devices"])
 def test_the_idle_devices_warning_gets_a_line_of_its_own(launch: str, launches: dict[str, Launch]) -> None:
     code, _ = launches[launch].result()
@@ -452,7 +428,11 @@ def test_the_idle_devices_warning_gets_a_line_of_its_own(launch: str, launches: 
 
     assert code == 0, "\n".join(screen[-40:])
     (warning,) = [line for line in screen if "sat idle" in line]
-    assert re.match(r"\S+\.py:\d+: (UserWarning: )?mgpu_dp: a batch of 1 row\(s\) was split across 1 of 2", warning)
+    assert re.match(
+        r"\S+\.py:\d+: (UserWarning: )?mgpu_dp: a batch of 1 row\(s\) was split across 1 of 2 devices.*"
+        r"Use a batch size of at least the device count",
+        warning,
+    )
     assert [line for line in screen if line.startswith("Epoch 0: 100%")]  # the bar, redrawn below the warning
 
 
@@ -567,6 +547,7 @@ def test_print_config_round_trips(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert resolved["data"]["init_args"]["batch_size"] == 100
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launch", ["README usage"])
 def test_readme_usage_example_runs(launch: str, launches: dict[str, Launch]) -> None:
     code, output = launches[launch].result()

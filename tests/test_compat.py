@@ -5,12 +5,11 @@ An upgrade that changes one of them fails here first, naming the function, befor
 
 from __future__ import annotations
 
-import socket
-
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
+from processes import free_port
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -111,17 +110,20 @@ def test_function_mode_depth_counts_active_modes() -> None:
         assert _compat.function_mode_depth() == 1
 
 
+def test_the_batchnorm_base_class_and_its_input_check() -> None:
+    for layer in (nn.BatchNorm1d(3), nn.BatchNorm2d(3), nn.SyncBatchNorm(3), nn.LazyBatchNorm1d()):
+        assert isinstance(layer, _compat.BatchNorm), type(layer).__name__
+    assert not isinstance(nn.LayerNorm(3), _compat.BatchNorm)
+    _compat.check_batchnorm_input(nn.BatchNorm1d(3), torch.randn(4, 3))
+    with pytest.raises(ValueError, match="expected 2D or 3D input"):
+        _compat.check_batchnorm_input(nn.BatchNorm1d(3), torch.randn(4, 3, 2, 2))
+
+
 def test_a_replica_device_is_what_the_lightning_module_reports() -> None:
     module = pl.LightningModule()
     assert module.device == torch.device("cpu")
     _compat.set_lightning_device(module, torch.device("meta"))
     assert module.device == torch.device("meta")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class _HalfUsed(nn.Module):
@@ -136,7 +138,7 @@ class _HalfUsed(nn.Module):
 
 def test_ddps_unused_parameter_error_is_recognised_with_its_indices(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     assert not dist.is_initialized()
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:

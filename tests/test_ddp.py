@@ -17,43 +17,48 @@ import lightning as L
 import pytest
 import torch
 from models import Regressor, assert_same_parameters, loader, parameters, regression_data, trainer
-from processes import clean_env, free_port
+from processes import (
+    DDP_SCRIPT,
+    clean_env,
+    free_port,
+    rank_report,
+    run,
+    run_ddp_script,
+    single_device_parameters,
+)
 
 import lightning_mgpu
 from lightning_mgpu import MGPUDDPStrategy
 from lightning_mgpu.strategies import ddp as ddp_strategy
 from lightning_mgpu.strategies.ddp import buffer_sync_keyword
 
-SCRIPT = Path(__file__).parent / "scripts" / "ddp_train.py"
 LAUNCH_TIMEOUT = 180
-
-
-def _run(command: list[str], env: dict[str, str], timeout: float = LAUNCH_TIMEOUT) -> subprocess.CompletedProcess:
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, check=False)
-
-
-def _report(out: Path, rank: int) -> dict[str, Any]:
-    return json.loads((out / f"rank{rank}.json").read_text())
-
-
-def _single_device_parameters(epochs: int = 2, batch: int = 4) -> dict[str, torch.Tensor]:
-    model = Regressor()
-    trainer(max_epochs=epochs).fit(model, loader(regression_data(), batch))
-    return parameters(model)
 
 
 def _assert_matches_single_device(out: Path, result: subprocess.CompletedProcess, environment: str) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
-    reports = [_report(out, rank) for rank in (0, 1)]
+    reports = [rank_report(out, rank) for rank in (0, 1)]
     assert [r["world_size"] for r in reports] == [2, 2]
     assert {r["environment"] for r in reports} == {environment}
     assert {r["strategy"] for r in reports} == {"MGPUDDPStrategy"}
-    assert_same_parameters(torch.load(out / "params.pt"), _single_device_parameters())
+    assert_same_parameters(torch.load(out / "params.pt"), single_device_parameters())
+
+
+def _assert_side_by_side_matches_single_device(
+    out: Path, runs: list[tuple[list[str], dict[str, str]]], environment: str
+) -> None:
+    """Start one process per (command, environment) at once, wait for all, and compare the run with one device."""
+    pipe = subprocess.PIPE
+    processes = [subprocess.Popen(command, env=env, stdout=pipe, stderr=pipe, text=True) for command, env in runs]
+    outputs = [process.communicate(timeout=LAUNCH_TIMEOUT) for process in processes]
+    codes = [process.returncode for process in processes]
+    assert codes == [0] * len(runs), "".join(stderr[-3000:] for _, stderr in outputs)
+    _assert_matches_single_device(out, subprocess.CompletedProcess([], 0, "", ""), environment)
 
 
 @pytest.mark.slow
 def test_lightning_launcher_matches_one_device_with_twice_the_batch(tmp_path: Path) -> None:
-    result = _run([sys.executable, str(SCRIPT), "--out", str(tmp_path)], clean_env(MASTER_PORT=str(free_port())))
+    result = run_ddp_script(tmp_path)
     _assert_matches_single_device(tmp_path, result, "LightningEnvironment")
 
 
@@ -61,69 +66,55 @@ def test_lightning_launcher_matches_one_device_with_twice_the_batch(tmp_path: Pa
 def test_torchrun(tmp_path: Path) -> None:
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-        str(SCRIPT), "--out", str(tmp_path), "--model", "Evaluated", "--val-rows", "5",
+        str(DDP_SCRIPT), "--out", str(tmp_path), "--model", "Evaluated", "--val-rows", "5",
     ]  # fmt: skip
-    _assert_matches_single_device(tmp_path, _run(command, clean_env()), "TorchElasticEnvironment")
-    assert _report(tmp_path, 0)["metrics"]["val_rows"] == 5.0, "validation during fit counts each sample once"
+    _assert_matches_single_device(tmp_path, run(command, clean_env()), "TorchElasticEnvironment")
+    assert rank_report(tmp_path, 0)["metrics"]["val_rows"] == 5.0, "validation during fit counts each sample once"
 
 
 @pytest.mark.slow
 def test_legacy_torch_distributed_launch_with_its_local_rank_argument(tmp_path: Path) -> None:
     command = [
         sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node", "2", "--master_port", str(free_port()),
-        str(SCRIPT), "--out", str(tmp_path),
+        str(DDP_SCRIPT), "--out", str(tmp_path),
     ]  # fmt: skip
-    result = _run(command, clean_env())
+    result = run(command, clean_env())
     _assert_matches_single_device(tmp_path, result, "TorchElasticEnvironment")
 
 
 @pytest.mark.slow
 def test_slurm_environment(tmp_path: Path) -> None:
     port = str(free_port())
-    processes = []
+    runs: list[tuple[list[str], dict[str, str]]] = []
     for rank in (0, 1):
         env = clean_env(
             SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_NNODES="1", SLURM_NODEID="0",
             SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_JOB_ID="4242", SLURM_JOB_NAME="train",
             SLURM_NODELIST="127.0.0.1", MASTER_PORT=port,
         )  # fmt: skip
-        command = [sys.executable, str(SCRIPT), "--out", str(tmp_path)]
-        processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outputs = [process.communicate(timeout=LAUNCH_TIMEOUT) for process in processes]
-    codes = [process.returncode for process in processes]
-    assert codes == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
-    result = subprocess.CompletedProcess([], 0, "", "")
-    _assert_matches_single_device(tmp_path, result, "SLURMEnvironment")
+        runs.append(([sys.executable, str(DDP_SCRIPT), "--out", str(tmp_path)], env))
+    _assert_side_by_side_matches_single_device(tmp_path, runs, "SLURMEnvironment")
 
 
 @pytest.mark.slow
 def test_two_nodes_on_one_machine_through_torchrun(tmp_path: Path) -> None:
     port = str(free_port())
-    processes = []
+    runs: list[tuple[list[str], dict[str, str]]] = []
     for node in (0, 1):
         command = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
             "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port,
-            str(SCRIPT), "--out", str(tmp_path), "--devices", "1", "--num-nodes", "2",
+            str(DDP_SCRIPT), "--out", str(tmp_path), "--devices", "1", "--num-nodes", "2",
         ]  # fmt: skip
-        processes.append(
-            subprocess.Popen(command, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        )
-    outputs = [process.communicate(timeout=LAUNCH_TIMEOUT) for process in processes]
-    assert [process.returncode for process in processes] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
-    result = subprocess.CompletedProcess([], 0, "", "")
-    _assert_matches_single_device(tmp_path, result, "TorchElasticEnvironment")
+        runs.append((command, clean_env()))
+    _assert_side_by_side_matches_single_device(tmp_path, runs, "TorchElasticEnvironment")
 
 
 @pytest.mark.slow
 def test_validation_counts_each_sample_once(tmp_path: Path) -> None:
-    command = [
-        sys.executable, str(SCRIPT), "--out", str(tmp_path), "--scenario", "validate", "--model", "Evaluated",
-        "--val-rows", "5",
-    ]  # fmt: skip
-    result = _run(command, clean_env(MASTER_PORT=str(free_port())))
+    result = run_ddp_script(tmp_path, "--scenario", "validate", "--model", "Evaluated", "--val-rows", "5")
     assert result.returncode == 0, result.stderr[-3000:]
-    metrics = _report(tmp_path, 0)["metrics"]
+    metrics = rank_report(tmp_path, 0)["metrics"]
     assert metrics["val_rows"] == 5.0
     expected = trainer().validate(Regressor(), loader(regression_data(rows=5, seed=3), 5), verbose=False)
     assert metrics["val_loss"] == pytest.approx(expected[0]["val_loss"], abs=1e-6)
@@ -131,10 +122,9 @@ def test_validation_counts_each_sample_once(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_training_shuffles_differently_every_epoch(tmp_path: Path) -> None:
-    command = [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--scenario", "shuffle", "--epochs", "2"]
-    result = _run(command, clean_env(MASTER_PORT=str(free_port())))
+    result = run_ddp_script(tmp_path, "--scenario", "shuffle", "--epochs", "2")
     assert result.returncode == 0, result.stderr[-3000:]
-    reports = [_report(tmp_path, rank) for rank in (0, 1)]
+    reports = [rank_report(tmp_path, rank) for rank in (0, 1)]
     for epoch in ("0", "1"):
         seen = sorted(row for report in reports for row in report["rows"][epoch])
         assert seen == [float(i) for i in range(20)], "every row exactly once per epoch"
@@ -154,12 +144,10 @@ def _alive(pid: int) -> bool:
 
 
 def _assert_every_process_ends(tmp_path: Path, scenario: str, fail_rank: int) -> subprocess.CompletedProcess:
-    command = [
-        sys.executable, str(SCRIPT), "--out", str(tmp_path), "--scenario", scenario, "--fail-rank", str(fail_rank),
-        "--timeout", "20", "--epochs", "5",
-    ]  # fmt: skip
     started = time.monotonic()
-    result = _run(command, clean_env(MASTER_PORT=str(free_port())), timeout=120)
+    result = run_ddp_script(
+        tmp_path, "--scenario", scenario, "--fail-rank", str(fail_rank), "--timeout", "20", "--epochs", "5", timeout=120
+    )
     assert result.returncode != 0
     deadline = time.monotonic() + 60
     while any(_alive(pid) for pid in _pids(tmp_path)) and time.monotonic() < deadline:
@@ -187,8 +175,7 @@ def test_a_rank_that_exits_ends_every_process_quickly(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_unused_parameters_are_named_with_the_fix(tmp_path: Path) -> None:
-    command = [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--model", "Unused", "--timeout", "30"]
-    result = _run(command, clean_env(MASTER_PORT=str(free_port())))
+    result = run_ddp_script(tmp_path, "--model", "Unused", "--timeout", "30")
     assert result.returncode != 0
     assert "received none in the last step: unused_head.weight, unused_head.bias" in result.stderr
     assert "find_unused_parameters=True" in result.stderr
@@ -198,8 +185,7 @@ def test_unused_parameters_are_named_with_the_fix(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_checkpoints_move_between_ddp_dp_and_one_device(tmp_path: Path) -> None:
     ddp_out = tmp_path / "ddp"
-    command = [sys.executable, str(SCRIPT), "--out", str(ddp_out), "--epochs", "1"]
-    result = _run(command, clean_env(MASTER_PORT=str(free_port())))
+    result = run_ddp_script(ddp_out, "--epochs", "1")
     assert result.returncode == 0, result.stderr[-3000:]
     ddp_checkpoint = next((ddp_out / "checkpoints").glob("*.ckpt"))
     saved = torch.load(ddp_checkpoint, weights_only=False)
@@ -207,7 +193,7 @@ def test_checkpoints_move_between_ddp_dp_and_one_device(tmp_path: Path) -> None:
 
     loaded = Regressor.load_from_checkpoint(ddp_checkpoint)
     assert_same_parameters(parameters(loaded), torch.load(ddp_out / "params.pt"))
-    straight = _single_device_parameters(epochs=2)
+    straight = single_device_parameters(epochs=2)
     for overrides in ({}, {"devices": 2, "strategy": "mgpu_dp"}):
         resumed = Regressor()
         trainer(max_epochs=2, **overrides).fit(resumed, loader(regression_data(), 4), ckpt_path=str(ddp_checkpoint))
@@ -218,8 +204,7 @@ def test_checkpoints_move_between_ddp_dp_and_one_device(tmp_path: Path) -> None:
     dp_trainer.fit(dp_model, loader(regression_data(), 4))
     dp_checkpoint = next(Path(dp_trainer.checkpoint_callback.dirpath).glob("*.ckpt"))
     resumed_out = tmp_path / "resumed"
-    command = [sys.executable, str(SCRIPT), "--out", str(resumed_out), "--ckpt-in", str(dp_checkpoint)]
-    result = _run(command, clean_env(MASTER_PORT=str(free_port())))
+    result = run_ddp_script(resumed_out, "--ckpt-in", str(dp_checkpoint))
     assert result.returncode == 0, result.stderr[-3000:]
     assert_same_parameters(torch.load(resumed_out / "params.pt"), straight)
 
@@ -229,8 +214,7 @@ def test_ranks_release_the_process_group_and_exit_cleanly(tmp_path: Path) -> Non
     """Gloo's threads can still need the GIL after fit returns; a rank that reached finalization first got SIGABRT."""
     for attempt in range(3):
         out = tmp_path / str(attempt)
-        command = [sys.executable, str(SCRIPT), "--out", str(out), "--epochs", "1", "--exit-report"]
-        result = _run(command, clean_env(MASTER_PORT=str(free_port())))
+        result = run_ddp_script(out, "--epochs", "1", "--exit-report")
         assert result.returncode == 0, result.stderr[-3000:]
         assert "terminate called" not in result.stderr, f"a rank aborted at exit in attempt {attempt}"
         exits = [json.loads((out / f"exit-rank{rank}.json").read_text()) for rank in (0, 1)]

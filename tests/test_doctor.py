@@ -464,6 +464,7 @@ def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--target {mgpu_dp,mgpu_ddp}" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_python_dash_m_runs_the_doctor() -> None:
     command = [sys.executable, "-m", "lightning_mgpu", "doctor", "--model", f"{MODELS}:NormalisedPredNet", *DATA]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)

@@ -26,6 +26,7 @@ import pytest
 import torch
 import yaml
 from processes import clean_env, free_port
+from run_folders import column, read_metrics
 
 import lightning_mgpu
 from lightning_mgpu.cli import main as lightning_mgpu_main
@@ -50,15 +51,6 @@ NUM_TEST_DIGITS = 180  # 10 % of the 1797 images
 @pytest.fixture(autouse=True)
 def _plain_argv(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "argv", ["example"])  # pytest's own arguments are not the CLI's
-
-
-def read_metrics(run_folder: Path) -> list[dict[str, str]]:
-    with open(run_folder / "metrics.csv") as metrics_file:
-        return list(csv.DictReader(metrics_file))
-
-
-def column(rows: list[dict[str, str]], name: str) -> list[float]:
-    return [float(row[name]) for row in rows if row.get(name)]
 
 
 def png_size(path: Path) -> tuple[int, int]:
@@ -330,6 +322,7 @@ def stop_on_exit() -> Iterator[list[subprocess.Popen[str]]]:
             process.wait()
 
 
+@pytest.mark.slow
 def test_ddp_cpu_predict_gathers_both_processes_rows_into_one_file(
     density_checkpoint: Path, tmp_path: Path, stop_on_exit: list[subprocess.Popen[str]]
 ) -> None:

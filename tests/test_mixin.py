@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +9,7 @@ import lightning as L
 import pytest
 import torch
 from models import Portable, Regressor, assert_same_parameters, loader, parameters, regression_data, trainer
-from processes import clean_env, free_port
-from test_ddp import SCRIPT, _report, _single_device_parameters
+from processes import free_port, rank_report, run_ddp_script, single_device_parameters
 from torch import nn
 
 import lightning_mgpu
@@ -31,23 +28,17 @@ def _fit_in_process(strategy: str | None, devices: int, batch: int) -> Portable:
 @pytest.mark.parametrize(("strategy", "devices"), [(None, 1), ("mgpu_dp", 2), ("mgpu_dp", 1)])
 def test_same_parameters_in_process(strategy: str | None, devices: int) -> None:
     model = _fit_in_process(strategy, devices, batch=4)
-    assert_same_parameters(parameters(model), _single_device_parameters())
+    assert_same_parameters(parameters(model), single_device_parameters())
     assert model.step_end_calls == 10, "training_step_end runs exactly once per step"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "mgpu_ddp"])
 def test_same_parameters_under_ddp_in_two_processes(tmp_path: Path, strategy: str) -> None:
-    command = [
-        sys.executable, str(SCRIPT), "--out", str(tmp_path), "--model", "Portable", "--strategy", strategy,
-        "--val-rows", "5",
-    ]  # fmt: skip
-    result = subprocess.run(
-        command, env=clean_env(MASTER_PORT=str(free_port())), capture_output=True, text=True, timeout=180
-    )
+    result = run_ddp_script(tmp_path, "--model", "Portable", "--strategy", strategy, "--val-rows", "5")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert_same_parameters(torch.load(tmp_path / "params.pt"), _single_device_parameters())
-    metrics = _report(tmp_path, 0)["metrics"]
+    assert_same_parameters(torch.load(tmp_path / "params.pt"), single_device_parameters())
+    metrics = rank_report(tmp_path, 0)["metrics"]
     assert "train_loss" in metrics, "training_step_end logged under this strategy"
     assert metrics["val_rows"] == (5.0 if strategy == "mgpu_ddp" else 6.0), "stock ddp pads validation shards"
 
@@ -166,7 +157,7 @@ def test_register_parameters_follows_the_users_pattern() -> None:
     assert names == ["H_0", "H_1"]
     assert [name for name, _ in module.named_parameters()] == ["H_0", "H_1"]
     assert isinstance(module.H_0, nn.Parameter)
-    with pytest.raises(lightning_mgpu.ConfigurationError, match="already has an attribute 'H_0'"):
+    with pytest.raises(lightning_mgpu.ConfigurationError, match="has an attribute 'H_0'; choose another prefix"):
         register_parameters(module, "H", [torch.ones(1)])
 
 

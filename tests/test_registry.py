@@ -32,6 +32,7 @@ def test_importing_twice_and_reloading_is_harmless() -> None:
     )
 
 
+@pytest.mark.slow
 def test_a_fresh_interpreter_gets_the_name_from_the_import_alone() -> None:
     code = (
         "import lightning as L, lightning_mgpu;"
@@ -84,6 +85,7 @@ def test_dp_owned_by_someone_else_is_left_alone() -> None:
     assert registry["mgpu_dp"]["strategy"] is MGPUDPStrategy
 
 
+@pytest.mark.slow
 def test_1x_code_runs_with_one_added_import_in_a_fresh_interpreter() -> None:
     code = (
         "import lightning as L, lightning_mgpu;"
