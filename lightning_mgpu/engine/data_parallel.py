@@ -14,7 +14,14 @@ from lightning_mgpu.engine.batchnorm import ReplicaRendezvous, batchnorm_paths, 
 from lightning_mgpu.engine.gather import gather
 from lightning_mgpu.engine.parallel_apply import ContextFactory, ParallelApply
 from lightning_mgpu.engine.replicate import ReplicaCache, all_on, modules_of
-from lightning_mgpu.engine.scatter import Fields, LayoutMemory, move_to, scatter
+from lightning_mgpu.engine.scatter import (
+    Fields,
+    LayoutMemory,
+    check_chunk_weight_count,
+    check_chunk_weights,
+    move_to,
+    scatter_to_devices,
+)
 from lightning_mgpu.errors import BatchSplitError, ConfigurationError
 
 PHASES = ("scatter", "replicate", "parallel_apply", "gather")
@@ -68,6 +75,13 @@ class MGPUDataParallel(nn.Module):
             one of the two.
         time_phases: add the seconds of every phase (scatter, replicate, parallel apply, gather) to
             ``phase_seconds``, for benchmarks; off, no step reads a clock. It can be switched at any time.
+        chunk_weights: one relative share per device, so that a device can take fewer rows of every batch than
+            the others (the root device, which also holds the gathered outputs, say): ``[1, 2, 2, 2]`` gives the
+            root a seventh of each batch and the others two sevenths each. Rows are assigned by largest-remainder
+            rounding (see ``lightning_mgpu.engine.scatter.weighted_chunk_sizes``), in contiguous chunks in batch
+            order; a device whose share of a batch rounds to no rows runs no replica for it, as happens to the
+            last devices when an even split meets a batch with fewer rows than devices. ``None`` (the default)
+            splits evenly.
 
     """
 
@@ -81,6 +95,7 @@ class MGPUDataParallel(nn.Module):
         sync_batchnorm: bool = True,
         device_ids: Sequence[DeviceLike] | None = None,
         time_phases: bool = False,
+        chunk_weights: Sequence[float] | None = None,
     ) -> None:
         super().__init__()
         if dim != 0:
@@ -102,6 +117,22 @@ class MGPUDataParallel(nn.Module):
         self.phase_seconds: dict[str, float] = dict.fromkeys(PHASES, 0.0)
         self._batch_layouts: dict[str, LayoutMemory] = {}
         self._output_layouts: dict[str, LayoutMemory] = {}
+        self._chunk_weights: tuple[float, ...] | None = None
+        self.chunk_weights = chunk_weights
+
+    @property
+    def chunk_weights(self) -> tuple[float, ...] | None:
+        """Each device's relative share of every batch, or ``None`` for an even split; checked when set."""
+        return self._chunk_weights
+
+    @chunk_weights.setter
+    def chunk_weights(self, weights: Sequence[float] | None) -> None:
+        if weights is None:
+            self._chunk_weights = None
+            return
+        checked = check_chunk_weights(weights, "chunk_weights")
+        check_chunk_weight_count(checked, self.devices, "chunk_weights", "MGPUDataParallel")
+        self._chunk_weights = checked
 
     @property
     def root_device(self) -> torch.device:
@@ -124,8 +155,11 @@ class MGPUDataParallel(nn.Module):
         timing = self.time_phases
         started = time.perf_counter() if timing else 0.0
         try:
-            chunks, sizes = scatter(
-                {"inputs": Fields(inputs), "kwargs": kwargs}, self.devices, _layouts(self._batch_layouts, "forward")
+            chunks, sizes, devices = scatter_to_devices(
+                {"inputs": Fields(inputs), "kwargs": kwargs},
+                self.devices,
+                _layouts(self._batch_layouts, "forward"),
+                self._chunk_weights,
             )
         except BatchSplitError as error:
             error.add_note(
@@ -136,7 +170,7 @@ class MGPUDataParallel(nn.Module):
         if timing:
             self.phase_seconds["scatter"] += time.perf_counter() - started
         calls = [(tuple(chunk["inputs"]), chunk["kwargs"]) for chunk in chunks]
-        replica_outputs = self._run_replicas(None, calls, sizes, check_device=True)
+        replica_outputs = self._run_replicas(None, calls, sizes, check_device=True, devices=devices)
         return self.gather(replica_outputs.outputs, replica_outputs.sizes, "forward")
 
     def _forward_on_root(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -192,12 +226,14 @@ class MGPUDataParallel(nn.Module):
         """
         timing = self.time_phases
         started = time.perf_counter() if timing else 0.0
-        chunks, sizes = scatter(batch, self.devices, _layouts(self._batch_layouts, method))
+        chunks, sizes, devices = scatter_to_devices(
+            batch, self.devices, _layouts(self._batch_layouts, method), self._chunk_weights
+        )
         if timing:
             self.phase_seconds["scatter"] += time.perf_counter() - started
         shared = kwargs or {}
         calls = [((chunk, *args), shared) for chunk in chunks]
-        return self._run_replicas(method, calls, sizes, context, prepare_replica)
+        return self._run_replicas(method, calls, sizes, context, prepare_replica, devices=devices)
 
     def _run_replicas(
         self,
@@ -207,8 +243,9 @@ class MGPUDataParallel(nn.Module):
         context: ContextFactory | None = None,
         prepare_replica: PrepareReplica | None = None,
         check_device: bool = False,
+        devices: list[torch.device] | None = None,
     ) -> ReplicaOutputs:
-        """Replicate onto the first ``len(calls)`` devices and make call ``i`` on replica ``i``.
+        """Replicate onto ``devices`` (by default the first ``len(calls)``) and make call ``i`` on replica ``i``.
 
         ``method=None`` calls the replica itself, so its forward hooks run once per replica, as in
         ``torch.nn.DataParallel``. ``check_device``: raise, as ``torch.nn.DataParallel`` does, when the module is
@@ -216,7 +253,8 @@ class MGPUDataParallel(nn.Module):
         """
         timing = self.time_phases
         started = time.perf_counter() if timing else 0.0
-        devices = self.devices[: len(calls)]
+        if devices is None:
+            devices = self.devices[: len(calls)]
         misplaced = self._check_module_device if check_device else None
         replicas = self._replicate(self._modules["module"], devices, misplaced)  # type: ignore[arg-type]
         if prepare_replica is not None:
@@ -230,10 +268,26 @@ class MGPUDataParallel(nn.Module):
         replicated = time.perf_counter() if timing else 0.0
         outputs = self._apply_in_threads(bound, devices, context)
         self._replicate.keep_reassigned_buffers()
+        if devices[0] != self.root_device:
+            self._return_buffers_to_root()
         if timing:
             self.phase_seconds["replicate"] += replicated - started
             self.phase_seconds["parallel_apply"] += time.perf_counter() - replicated
         return ReplicaOutputs(outputs, sizes, replicas)
+
+    def _return_buffers_to_root(self) -> None:
+        """Move back to the root device the buffers that replica 0 kept while it ran elsewhere.
+
+        When the weights leave the root device no rows, replica 0 runs on another device with copies of the
+        module's buffers, and the module keeps those copies (BatchNorm running statistics updated from the whole
+        batch, say); they belong on the root device, with the parameters.
+        """
+        root = self.root_device
+        for submodule in modules_of(self._modules["module"]):  # type: ignore[arg-type]
+            buffers = submodule._buffers
+            for name, buffer in buffers.items():
+                if buffer is not None and not _same_device(buffer.device, root):
+                    buffers[name] = buffer.to(root)
 
     def _check_module_device(self) -> None:
         """Replica 0 works on the module's own tensors, so they must be on the root device, as torch requires."""

@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
+import numbers
 from collections.abc import Iterable, Mapping, Sequence
+from fractions import Fraction
 from typing import Any
 
 import torch
 
-from lightning_mgpu.errors import BatchSplitError
+from lightning_mgpu.errors import BatchSplitError, ConfigurationError
 
 
 class PerSample(list[Any]):
@@ -89,14 +92,87 @@ def chunk_sizes(batch_size: int, num_devices: int) -> list[int]:
 
     ``torch.chunk`` would give 5 rows on 4 devices as 2 + 2 + 1 (three replicas); this gives 2 + 1 + 1 + 1.
     """
-    if batch_size < 1:
-        raise BatchSplitError(
-            "The batch is empty (0 rows along dim 0), so there is nothing to split across replicas."
-            " Drop empty batches in your DataLoader or dataset."
-        )
+    _check_not_empty(batch_size)
     num_chunks = min(batch_size, num_devices)
     base, extra = divmod(batch_size, num_chunks)
     return [base + 1 if i < extra else base for i in range(num_chunks)]
+
+
+def weighted_chunk_sizes(batch_size: int, weights: Sequence[float]) -> list[int]:
+    """Rows per device in proportion to ``weights``: one entry per device, zeros included, summing to the batch.
+
+    Largest-remainder rounding: each device gets the whole part of its exact share, and the rows left over go one
+    each to the largest fractional parts, the earlier device first on a tie. Every size is therefore within one
+    row of the exact share, the split depends on nothing but the arguments (exact arithmetic, no float rounding),
+    and equal weights give ``chunk_sizes``'s split, zeros appended. ``weights`` must have passed
+    ``check_chunk_weights``.
+    """
+    _check_not_empty(batch_size)
+    shares = _integer_shares(weights)
+    total = sum(shares)
+    sizes: list[int] = []
+    remainders: list[int] = []
+    for share in shares:
+        size, remainder = divmod(batch_size * share, total)
+        sizes.append(size)
+        remainders.append(remainder)
+    left = batch_size - sum(sizes)
+    for index in sorted(range(len(sizes)), key=lambda i: (-remainders[i], i))[:left]:
+        sizes[index] += 1
+    return sizes
+
+
+def check_chunk_weights(weights: Any, name: str = "chunk_weights") -> tuple[float, ...]:
+    """``weights`` as a tuple, or ``ConfigurationError`` naming the entry that cannot be a share of a batch.
+
+    Checked once, where the option is given, so that a bad value stops the run before any step does.
+    """
+    example = f"{name}=[1, 2, 2, 2] gives the first of four devices half the rows of each of the others"
+    if isinstance(weights, (str, bytes, Mapping)) or not isinstance(weights, Sequence):
+        raise ConfigurationError(
+            f"{name} must be a list with one number per device (the device's relative share of every batch), but"
+            f" got {weights!r}. For example, {example}."
+        )
+    checked: list[float] = []
+    for index, weight in enumerate(weights):
+        if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
+            raise ConfigurationError(
+                f"{name}[{index}] is {weight!r}, but each weight must be a number: the device's relative share of"
+                f" every batch. For example, {example}."
+            )
+        value: float = int(weight) if isinstance(weight, numbers.Integral) else float(weight)
+        if not math.isfinite(value):
+            raise ConfigurationError(
+                f"{name}[{index}] is {value}, which is not a finite number, so no share of the batch can be worked"
+                f" out from it. Give every device a finite weight of 0 or more; for example, {example}."
+            )
+        if value < 0:
+            raise ConfigurationError(
+                f"{name}[{index}] is {value}, but a device cannot take a negative share of the batch. Give every"
+                f" device a weight of 0 or more (0 gives it no rows); for example, {example}."
+            )
+        checked.append(value)
+    if not any(checked):
+        raise ConfigurationError(
+            f"{name} is {list(weights)!r}: every weight is zero, so no device would get any rows. Give at least one"
+            f" device a positive weight; for example, {example}."
+        )
+    return tuple(checked)
+
+
+def check_chunk_weight_count(
+    weights: Sequence[float], devices: Sequence[torch.device], name: str, owner: str, source: str = ""
+) -> None:
+    """``ConfigurationError`` unless there is one weight per device; ``owner`` has the devices, set by ``source``."""
+    if len(weights) == len(devices):
+        return
+    shown = ", ".join(str(device) for device in devices)
+    set_by = f", set by {source}" if source else ""
+    raise ConfigurationError(
+        f"{name} has {len(weights)} weight(s), {list(weights)!r}, but {owner} has {len(devices)} device(s)"
+        f" ({shown}){set_by}. Give one weight per device, in device order (the first is the root device), for"
+        f" example {name}={[1] * len(devices)} for an even split, or change the number of devices."
+    )
 
 
 def batch_size_of(batch: Any) -> int:
@@ -112,15 +188,21 @@ def batch_size_of(batch: Any) -> int:
 
 
 def scatter(
-    batch: Any, devices: Sequence[torch.device], memory: LayoutMemory | None = None
+    batch: Any,
+    devices: Sequence[torch.device],
+    memory: LayoutMemory | None = None,
+    weights: Sequence[float] | None = None,
 ) -> tuple[list[Any], list[int]]:
-    """Split ``batch`` into chunks for the first ``len(sizes)`` devices, each moved to its device.
+    """Split ``batch`` into chunks, each moved to its device.
 
     Args:
         batch: tensors, per-sample sequences and containers of them (see the module docstring for the rules).
         devices: one per replica; a batch with fewer rows than devices uses the first ones.
         memory: the readings of earlier batches of this run, which settle lists that read two ways and are
             updated with this batch's; without it such a list is an error when it would be split.
+        weights: one relative share per device (see ``weighted_chunk_sizes``); ``None`` splits evenly. A device
+            whose share rounds to no rows gets no chunk, so the chunks may go to other devices than the first ones:
+            ``scatter_to_devices`` says which.
 
     Returns:
         The chunks and their sizes along dim 0.
@@ -128,17 +210,37 @@ def scatter(
     Raises:
         BatchSplitError: the batch cannot be split consistently; the message names the key path and the fix.
     """
+    chunks, sizes, _ = scatter_to_devices(batch, devices, memory, weights)
+    return chunks, sizes
+
+
+def scatter_to_devices(
+    batch: Any,
+    devices: Sequence[torch.device],
+    memory: LayoutMemory | None = None,
+    weights: Sequence[float] | None = None,
+) -> tuple[list[Any], list[int], list[torch.device]]:
+    """``scatter``, also returning the device of each chunk: the devices given rows, in device order.
+
+    Chunks are contiguous and in batch order whatever the weights, so gathering them in the returned order puts
+    the rows back in batch order.
+    """
     rows, nearest = _row_count(batch)
-    sizes = chunk_sizes(rows, len(devices))
+    if weights is None:
+        sizes = chunk_sizes(rows, len(devices))
+        used = list(devices[: len(sizes)])
+    else:
+        shares = weighted_chunk_sizes(rows, weights)
+        sizes = [size for size in shares if size]
+        used = [device for device, size in zip(devices, shares, strict=True) if size]
     planner = _Planner(rows, len(sizes), memory)
     plan = planner.plan(batch, "batch")
     if planner.conflicts:
         raise BatchSplitError(_disagreement(_listing(nearest) + planner.conflicts))
     chunks = [
-        _take(batch, plan, start, size, device)
-        for start, size, device in zip(_starts(sizes), sizes, devices[: len(sizes)], strict=True)
+        _take(batch, plan, start, size, device) for start, size, device in zip(_starts(sizes), sizes, used, strict=True)
     ]
-    return chunks, sizes
+    return chunks, sizes, used
 
 
 def move_to(obj: Any, device: torch.device) -> Any:
@@ -280,6 +382,23 @@ def _sizes_at_level(
             _sizes_at_level(value, f"{path}[{index}]", found, deeper, outermost)
     elif isinstance(obj, (list, tuple)):
         deeper.extend((value, f"{path}[{index}]") for index, value in enumerate(obj))
+
+
+def _check_not_empty(batch_size: int) -> None:
+    if batch_size < 1:
+        raise BatchSplitError(
+            "The batch is empty (0 rows along dim 0), so there is nothing to split across replicas."
+            " Drop empty batches in your DataLoader or dataset."
+        )
+
+
+def _integer_shares(weights: Sequence[float]) -> list[int]:
+    """Integers in exactly the proportions of ``weights`` (floats are binary fractions), for exact rounding."""
+    if all(isinstance(weight, int) for weight in weights):
+        return [int(weight) for weight in weights]
+    fractions = [Fraction(weight) for weight in weights]
+    denominator = math.lcm(*(fraction.denominator for fraction in fractions))
+    return [fraction.numerator * (denominator // fraction.denominator) for fraction in fractions]
 
 
 def _zero_dim(path: str) -> str:

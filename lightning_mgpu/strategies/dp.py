@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -16,6 +16,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from typing_extensions import override
 
 from lightning_mgpu.engine import MGPUDataParallel
+from lightning_mgpu.engine.scatter import check_chunk_weight_count, check_chunk_weights
 from lightning_mgpu.errors import ConfigurationError
 from lightning_mgpu.step.health import StepHealth, stop_iteration_is_an_error
 from lightning_mgpu.step.hooks import call_step_end
@@ -60,6 +61,14 @@ class MGPUDPStrategy(MGPUStrategyMixin, ParallelStrategy):
             exchanged between the replicas, so they train exactly as on one device (unlike
             ``torch.nn.DataParallel``). ``False`` normalises each chunk by its own statistics, which saves the
             exchange and changes the results.
+        device_weights: each device's relative share of every batch, one number per device in ``parallel_devices``
+            order, so the root device, which also holds the gathered outputs and the loss, can take fewer rows:
+            ``[1, 2, 2, 2]`` gives it a seventh of each batch and the three others two sevenths each. Rows are
+            assigned by largest-remainder rounding, in contiguous chunks in batch order, and the loss is still
+            combined by the rows each replica actually received, so training equals one device's. A device whose
+            share of a batch rounds to no rows (a weight of 0, or a batch smaller than the device count) runs no
+            replica for that batch. ``None`` (the default) splits evenly. Checked when the Trainer assigns the
+            devices, so a wrong count fails before any step.
     """
 
     strategy_name = "mgpu_dp"
@@ -71,7 +80,10 @@ class MGPUDPStrategy(MGPUStrategyMixin, ParallelStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
         sync_batchnorm: bool = True,
+        device_weights: Sequence[float] | None = None,
     ) -> None:
+        # Set before Lightning's __init__, which assigns parallel_devices, whose setter checks the count.
+        self._device_weights = None if device_weights is None else check_chunk_weights(device_weights, "device_weights")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -99,6 +111,24 @@ class MGPUDPStrategy(MGPUStrategyMixin, ParallelStrategy):
                 cls,
                 description=f"{cls.__name__} ({cls.strategy_name}) under Lightning 1.x's name",
                 override=True,
+            )
+
+    @property
+    def device_weights(self) -> tuple[float, ...] | None:
+        """Each device's relative share of every batch, or ``None`` for an even split."""
+        return self._device_weights
+
+    @property
+    def parallel_devices(self) -> list[torch.device] | None:
+        """The devices to replicate onto; checked when assigned, against ``device_weights`` too."""
+        return super().parallel_devices
+
+    @parallel_devices.setter
+    def parallel_devices(self, parallel_devices: list[torch.device] | None) -> None:
+        MGPUStrategyMixin.parallel_devices.fset(self, parallel_devices)  # type: ignore[attr-defined]
+        if parallel_devices and self._device_weights is not None:
+            check_chunk_weight_count(
+                self._device_weights, parallel_devices, "device_weights", "MGPUDPStrategy", "Trainer(devices=...)"
             )
 
     @property
@@ -169,7 +199,12 @@ class MGPUDPStrategy(MGPUStrategyMixin, ParallelStrategy):
         assert self.parallel_devices is not None
         assert self.model is not None
         if not isinstance(self.model, MGPUDataParallel) and len(self.parallel_devices) > 1:
-            self.model = MGPUDataParallel(self.model, self.parallel_devices, sync_batchnorm=self.sync_batchnorm)
+            self.model = MGPUDataParallel(
+                self.model,
+                self.parallel_devices,
+                sync_batchnorm=self.sync_batchnorm,
+                chunk_weights=self._device_weights,
+            )
 
     @override
     def model_to_device(self) -> None:
