@@ -18,9 +18,12 @@ torch:
     covers them.)
 
 Lightning and torchmetrics:
-    Exact resume needs what Lightning does not checkpoint (the epoch's logged aggregates, the position in the
-    epoch) and what torchmetrics keeps out of the state dict (a metric's update count), and a faithful copy of a
-    DataLoader with another sampler, which only Lightning's private ``_update_dataloader`` builds.
+    ``mgpu_ddp`` checks a launcher's process counts in ``_configure_launcher``, the hook Lightning calls once the
+    cluster environment, the devices and ``num_nodes`` are known and before its own launcher checks run (an override
+    in ``strategies/ddp.py``, covered by the Trainer-building tests of ``tests/test_launch_mismatch.py``). Exact resume
+    needs what Lightning does not checkpoint (the epoch's logged aggregates, the position in the epoch) and what
+    torchmetrics keeps out of the state dict (a metric's update count), and a faithful copy of a DataLoader with
+    another sampler, which only Lightning's private ``_update_dataloader`` builds.
 """
 
 from __future__ import annotations

@@ -37,7 +37,8 @@ def test_parse_local_rank_lets_every_launcher_start_both_ranks(tmp_path: Path, l
 
 
 def test_without_a_rank_flag_local_rank_stays_unset(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # parse_local_rank writes LOCAL_RANK; no later test sees it
+    os.environ.pop("LOCAL_RANK", None)
     assert lightning_mgpu.parse_local_rank(["train.py", "--lr", "1"]) == 0
     assert "LOCAL_RANK" not in os.environ, "a set LOCAL_RANK makes Lightning wait for processes nobody starts"
     assert lightning_mgpu.parse_local_rank(["train.py", "--local-rank=1"]) == 1

@@ -23,6 +23,7 @@ from lightning_mgpu._compat import is_unused_parameters_error, unused_parameter_
 from lightning_mgpu.step.health import StepHealth, stop_iteration_is_an_error
 from lightning_mgpu.step.hooks import call_step_end
 from lightning_mgpu.strategies.base import MGPUStrategyMixin
+from lightning_mgpu.strategies.launch_checks import check_launch_matches_trainer
 from lightning_mgpu.strategies.samplers import EvenlyShardedSampler, is_padding_sampler
 
 _EVALUATION_STAGES = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING)
@@ -94,7 +95,9 @@ class MGPUDDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
     hooks run after every rank's step with that rank's output, so one LightningModule runs unchanged under
     ``mgpu_dp`` and ``mgpu_ddp``; validation and test count every sample exactly once (no padding duplicates);
     DDP's unused-parameter error names the parameters; a rank whose script ends after ``fit`` exits cleanly
-    (:func:`release_process_group_at_exit`).
+    (:func:`release_process_group_at_exit`); under torchrun, SLURM or a hand-made launch, process counts that
+    disagree with ``devices``/``num_nodes`` raise ``ConfigurationError`` on every rank while the Trainer is built
+    (:func:`~lightning_mgpu.strategies.launch_checks.check_launch_matches_trainer`) instead of hanging.
 
     Args:
         accelerator: the accelerator; Lightning sets it from ``Trainer(accelerator=...)`` when left ``None``.
@@ -167,6 +170,13 @@ class MGPUDDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
     def teardown(self) -> None:
         self._release_module(self.lightning_module)
         super().teardown()
+
+    @override
+    def _configure_launcher(self) -> None:
+        # Lightning calls this while building the Trainer, once the environment, devices and num_nodes are known:
+        # the earliest point to catch a launcher that started other process counts, before any rank waits on another.
+        check_launch_matches_trainer(self.cluster_environment, self.num_processes, self.num_nodes)
+        super()._configure_launcher()
 
     @override
     def setup_environment(self) -> None:
