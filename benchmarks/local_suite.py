@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader
 
 from benchmarks.models import Clocked, Mode, ModelSpec, ReplicaClock, build_net, dataset, optimizer, typical_step
 from benchmarks.modules import BenchModule, MixinBenchModule, StepTimer, quiet_lightning, trainer_for
+from lightning_mgpu import MGPUDPStrategy
 from lightning_mgpu.engine import MGPUDataParallel
 from lightning_mgpu.engine.data_parallel import PHASES
 
@@ -36,9 +37,14 @@ CUDA_VARIANTS = ("single", "mixin", "mgpu_dp", "raw", "raw_engine", "torch_dp")
 
 
 def replica_devices(device: str) -> list[torch.device]:
-    """The devices of the data-parallel variants: 2 virtual CPU replicas, or every visible GPU."""
+    """The devices of the data-parallel variants: 2 virtual CPU replicas, every visible GPU, or 2 replicas on one GPU.
+
+    With a single GPU, one device would leave nothing to split (``mgpu_dp`` with one device runs the module itself),
+    so its two replicas share the GPU, as the CPU proxy's share the CPU.
+    """
     if device == "cuda":
-        return [torch.device("cuda", index) for index in range(torch.cuda.device_count())]
+        count = torch.cuda.device_count()
+        return [torch.device("cuda", index) for index in range(count)] if count > 1 else [torch.device("cuda", 0)] * 2
     return [torch.device("cpu"), torch.device("cpu")]
 
 
@@ -85,8 +91,11 @@ def _lightning(variant: str, spec: ModelSpec, devices: list[torch.device]) -> di
     module = MixinBenchModule(spec) if variant == "mixin" else BenchModule(spec)
     timer = StepTimer(spec.warmup, spec.steps)
     accelerator = "gpu" if devices[0].type == "cuda" else "cpu"
-    strategy = "mgpu_dp" if variant == "mgpu_dp" else "auto"
+    strategy: str | MGPUDPStrategy = "mgpu_dp" if variant == "mgpu_dp" else "auto"
     trainer_devices: int | list[int] = len(devices) if variant == "mgpu_dp" else [0] if accelerator == "gpu" else 1
+    if variant == "mgpu_dp" and accelerator == "gpu" and len(set(devices)) < len(devices):
+        # Lightning refuses a repeated GPU list; the strategy's own devices are kept as they are.
+        strategy, trainer_devices = MGPUDPStrategy(parallel_devices=devices), [0]
     steps = spec.warmup + spec.steps
     trainer = trainer_for(timer, steps, strategy, trainer_devices, accelerator)
     batch = _global_batch(spec, devices)
@@ -108,7 +117,8 @@ def _hand_written(variant: str, spec: ModelSpec, devices: list[torch.device]) ->
     if variant == "raw_engine":
         model = MGPUDataParallel(model, devices, time_phases=True)
     elif variant == "torch_dp":
-        model = torch.nn.DataParallel(model, device_ids=[device.index for device in devices])
+        # torch's DataParallel cannot repeat a GPU (its broadcast needs distinct devices): on one GPU it runs alone.
+        model = torch.nn.DataParallel(model, device_ids=sorted({device.index for device in devices}))
     optim = optimizer(net.parameters())
     batch = _global_batch(spec, devices)
     steps = spec.warmup + spec.steps

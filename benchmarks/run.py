@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is None:
         args.out = RESULTS / f"{args.device}-{mode.name}"
     devices = local_suite.replica_devices(args.device)
-    world_size = len(devices)
+    # One DDP process per GPU (NCCL refuses two on one card); on the CPU, one per virtual replica.
+    world_size = len(devices) if args.device == "cpu" else len(set(devices))
     started = time.perf_counter()
     load_before = _load()
     _say(f"lightning_mgpu benchmarks: {mode.name} mode on {args.device}, {world_size} devices/processes -> {args.out}")

@@ -311,9 +311,6 @@ CUDA_ROWS = (
 )
 """The single-process rows of ``--device cuda`` (benchmarks/README.md); ``*_2t`` is CPU-only, ddp rows are skipped."""
 
-ONE_DEVICE_BUG = "0 calls of the data-parallel step"
-"""How ``benchmarks/local_suite.py`` fails with one device: mgpu_dp then runs no engine step for it to time."""
-
 
 @pytest.mark.slow
 @needs_one_gpu
@@ -322,8 +319,6 @@ def test_cuda_benchmarks_smoke_mode_writes_the_cuda_rows(tmp_path: Path) -> None
     command = [sys.executable, "-m", "benchmarks.run", "--smoke", "--device", "cuda", "--skip-ddp"]
     result = _run([*command, "--out", str(tmp_path)])
     output = result.stdout[-3000:] + result.stderr[-3000:]
-    if result.returncode != 0 and torch.cuda.device_count() == 1 and ONE_DEVICE_BUG in result.stderr:
-        pytest.xfail(f"benchmarks cannot run on 1 device yet: RuntimeError '... {ONE_DEVICE_BUG}' in local_suite")
     assert result.returncode == 0, output
 
     results = json.loads((tmp_path / "results.json").read_text())
