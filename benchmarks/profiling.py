@@ -36,12 +36,12 @@ from benchmarks.modules import BenchModule, StepTimer, quiet_lightning, trainer_
 PACKAGE_MARK = f"{os.sep}lightning_mgpu{os.sep}"
 KEY_FUNCTIONS = (
     ("strategies/ddp.py", "training_step"),
-    ("strategies/_health.py", "check_loss"),
-    ("strategies/_resume.py", "__iter__"),
+    ("step/health.py", "check_loss"),
+    ("resume.py", "__iter__"),
 )
 LABELS = (
     ("lightning_mgpu.strategies.dp", "MGPUDPStrategy._parallel_step", "mgpu::strategy_step"),
-    ("lightning_mgpu.engine.data_parallel", "scatter", "mgpu::scatter"),
+    ("lightning_mgpu.engine.data_parallel", "scatter_to_devices", "mgpu::scatter"),
     ("lightning_mgpu.engine.replicate", "ReplicaCache.__call__", "mgpu::replicate"),
     ("lightning_mgpu.step.replicas", "prepare_replica", "mgpu::prepare_replica"),
     ("lightning_mgpu.engine.data_parallel", "MGPUDataParallel._synchronise_batchnorms", "mgpu::batchnorm_setup"),
