@@ -42,6 +42,16 @@ def _processes_only_in_slow_tests(request: pytest.FixtureRequest, monkeypatch: p
     monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _nothing_written_into_the_working_directory() -> Iterator[None]:
+    """Tests write into their tmp_path; a Trainer without ``default_root_dir`` would leave folders in the checkout."""
+    names = ("checkpoints", "lightning_logs", "runs")
+    before = {name for name in names if os.path.exists(name)}
+    yield
+    left = sorted(name for name in names if os.path.exists(name) and name not in before)
+    assert not left, f"tests wrote {left} into {os.getcwd()}: give their Trainer default_root_dir=tmp_path"
+
+
 @pytest.fixture(autouse=True)
 def _quiet_lightning() -> None:
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")

@@ -316,9 +316,11 @@ def test_the_default_loss_is_weighted_by_the_rows_each_replica_received() -> Non
     assert abs(plain_mean.item() - expected.item()) > 1e-3  # an unweighted mean would be wrong here
 
 
-def test_device_weights_reach_the_engine() -> None:
+def test_device_weights_reach_the_engine(tmp_path: Path) -> None:
     strategy = MGPUDPStrategy(device_weights=[1, 3])
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False, default_root_dir=tmp_path
+    )
     seen: list[list[int]] = []
 
     class Recording(Net):
