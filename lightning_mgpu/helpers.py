@@ -27,7 +27,7 @@ from lightning_mgpu.errors import ConfigurationError
 
 
 def device_of(related: torch.Tensor | nn.Module | torch.device | str) -> torch.device:
-    """The device of a tensor, a module (a replica too, which owns no parameters) or a device spec."""
+    """The device of a tensor, a module (its ``device``, else its first parameter, buffer or tensor) or a spec."""
     if isinstance(related, torch.Tensor):
         return related.device
     if isinstance(related, (torch.device, str)):
@@ -57,7 +57,7 @@ def to_device_of(obj: Any, related: torch.Tensor | nn.Module | torch.device | st
 def _tensors_of(module: nn.Module) -> Any:
     yield from module.parameters()
     yield from module.buffers()
-    for value in vars(module).values():  # replicas keep their parameter views as plain attributes
+    for value in vars(module).values():  # plain tensor attributes, for a module with no parameter or buffer
         if isinstance(value, torch.Tensor):
             yield value
 
