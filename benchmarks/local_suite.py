@@ -28,9 +28,9 @@ from torch.utils.data import DataLoader
 
 from benchmarks.models import Clocked, Mode, ModelSpec, ReplicaClock, build_net, dataset, optimizer, typical_step
 from benchmarks.modules import BenchModule, MixinBenchModule, StepTimer, quiet_lightning, trainer_for
+from benchmarks.phases import PHASES, PhaseTimer
 from lightning_mgpu import MGPUDPStrategy
 from lightning_mgpu.engine import MGPUDataParallel
-from lightning_mgpu.engine.data_parallel import PHASES
 
 CPU_VARIANTS = ("single", "single_2t", "mixin", "mgpu_dp", "raw", "raw_engine")
 CUDA_VARIANTS = ("single", "mixin", "mgpu_dp", "raw", "raw_engine", "torch_dp")
@@ -115,7 +115,7 @@ def _hand_written(variant: str, spec: ModelSpec, devices: list[torch.device]) ->
     net = build_net(spec).to(root)
     model: torch.nn.Module = Clocked(net, clock)
     if variant == "raw_engine":
-        model = MGPUDataParallel(model, devices, time_phases=True)
+        model = MGPUDataParallel(model, devices)
     elif variant == "torch_dp":
         # torch's DataParallel cannot repeat a GPU (its broadcast needs distinct devices): on one GPU it runs alone.
         model = torch.nn.DataParallel(model, device_ids=sorted({device.index for device in devices}))
@@ -126,12 +126,13 @@ def _hand_written(variant: str, spec: ModelSpec, devices: list[torch.device]) ->
     cuda = root.type == "cuda"
     marks: list[float] = []
     phase_marks: list[dict[str, float]] = []
+    timer = PhaseTimer(model).start() if isinstance(model, MGPUDataParallel) else None
     try:
         for index, (x, y) in enumerate(loader):
             if index == spec.warmup:
                 _synchronize(cuda)
             if index >= spec.warmup:
-                phase_marks.append(dict(getattr(model, "phase_seconds", {})))
+                phase_marks.append({} if timer is None else dict(timer.seconds))
                 marks.append(time.perf_counter())
             clock.step = index
             x, y = x.to(root, non_blocking=True), y.to(root, non_blocking=True)
@@ -142,9 +143,11 @@ def _hand_written(variant: str, spec: ModelSpec, devices: list[torch.device]) ->
             if index == steps - 1:
                 break
         _synchronize(cuda)
-        phase_marks.append(dict(getattr(model, "phase_seconds", {})))
+        phase_marks.append({} if timer is None else dict(timer.seconds))
         marks.append(time.perf_counter())
     finally:
+        if timer is not None:
+            timer.stop()
         if isinstance(model, MGPUDataParallel):
             model.close()
     durations = [end - start for start, end in itertools.pairwise(marks)]

@@ -14,6 +14,7 @@ import torch
 from typing_extensions import override
 
 from benchmarks.models import ModelSpec, ReplicaClock, build_net, loss_of, optimizer
+from benchmarks.phases import PhaseTimer
 from lightning_mgpu import MGPUMixin
 from lightning_mgpu.engine import MGPUDataParallel
 
@@ -47,8 +48,8 @@ class StepTimer(L.Callback):
 
     A step runs from ``on_train_batch_start`` (its batch already fetched) to the next step's start; the last one
     ends at its ``on_train_batch_end`` (after its optimizer step). On CUDA the first start and the last end
-    synchronize the device. Under ``mgpu_dp`` the timer also switches the engine's phase timers on, snapshots its
-    ``phase_seconds`` at every mark and times every call of the strategy's ``training_step`` (the replicas' step,
+    synchronize the device. Under ``mgpu_dp`` the timer also times the engine's phases (``PhaseTimer``), snapshots
+    them at every mark and times every call of the strategy's ``training_step`` (the replicas' step,
     gather and loss reduction, with the replica threads' work inside).
     """
 
@@ -62,18 +63,25 @@ class StepTimer(L.Callback):
         self.strategy_step_seconds: list[float] = []
         self._timing = False
         self._cuda = False
+        self._phases: PhaseTimer | None = None
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._cuda = pl_module.device.type == "cuda"
         strategy = trainer.strategy
         if isinstance(strategy.model, MGPUDataParallel):
-            strategy.model.time_phases = True
+            self._phases = PhaseTimer(strategy.model).start()
             strategy.training_step = self._timed(strategy.training_step)  # type: ignore[method-assign]
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         trainer.strategy.__dict__.pop("training_step", None)
+        if self._phases is not None:
+            self._phases.stop()
+
+    @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self.on_train_end(trainer, pl_module)
 
     @override
     def on_train_batch_start(
@@ -118,7 +126,7 @@ class StepTimer(L.Callback):
         }
 
     def _mark(self, trainer: L.Trainer) -> None:
-        self.phase_marks.append(_phases(trainer))
+        self.phase_marks.append({} if self._phases is None else dict(self._phases.seconds))
         self.cpu_marks.append(time.thread_time())
         self.marks.append(time.perf_counter())
 
@@ -136,11 +144,6 @@ class StepTimer(L.Callback):
     def _synchronize(self) -> None:
         if self._cuda:
             torch.cuda.synchronize()
-
-
-def _phases(trainer: L.Trainer) -> dict[str, float]:
-    model = trainer.strategy.model
-    return dict(model.phase_seconds) if isinstance(model, MGPUDataParallel) else {}
 
 
 def quiet_lightning() -> None:

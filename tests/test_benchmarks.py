@@ -8,7 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from processes import clean_env
+from torch import nn
+
+from benchmarks.phases import PHASES, PhaseTimer
+from lightning_mgpu.engine import MGPUDataParallel, data_parallel
 
 ROOT = Path(__file__).resolve().parents[1]
 ROW_NAMES = (
@@ -75,3 +80,24 @@ def test_smoke_mode_writes_every_row(tmp_path: Path) -> None:
     assert all(f"| {row_id} |" in table for row_id in expected | overhead)
     assert "## Engine overhead per call" in table
     assert (tmp_path / "results.png").exists() or results["plot"].startswith("not drawn")
+
+
+def test_the_phase_timer_times_every_phase_from_outside_and_puts_the_engine_back() -> None:
+    wrapper = MGPUDataParallel(nn.Linear(3, 2), [torch.device("cpu")] * 2)
+    originals = (wrapper._replicate, wrapper._apply_in_threads, data_parallel.scatter_to_devices)
+    x = torch.randn(6, 3)
+    try:
+        expected = wrapper(x)
+        with PhaseTimer(wrapper) as timer:
+            first = wrapper(x)
+            wrapper(x)
+            assert wrapper._replicate.structure is originals[0].structure
+        after = wrapper(x)
+    finally:
+        wrapper.close()
+    assert set(timer.seconds) == set(PHASES)
+    assert all(seconds > 0 for seconds in timer.seconds.values()), timer.seconds
+    torch.testing.assert_close(first, expected, rtol=0, atol=0)
+    torch.testing.assert_close(after, expected, rtol=0, atol=0)
+    assert (wrapper._replicate, wrapper._apply_in_threads, data_parallel.scatter_to_devices) == originals
+    assert "gather" not in vars(wrapper), "the class's gather is back"

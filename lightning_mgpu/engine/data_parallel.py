@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from itertools import chain
 from typing import Any
@@ -23,9 +22,6 @@ from lightning_mgpu.engine.scatter import (
     scatter_to_devices,
 )
 from lightning_mgpu.errors import BatchSplitError, ConfigurationError
-
-PHASES = ("scatter", "replicate", "parallel_apply", "gather")
-"""The engine's phases, timed in ``MGPUDataParallel.phase_seconds`` (seconds summed over calls) when ``time_phases``."""
 
 PrepareReplica = Callable[[nn.Module, int, int, torch.device, int], None]
 DeviceLike = torch.device | str | int
@@ -73,8 +69,6 @@ class MGPUDataParallel(nn.Module):
             ``torch.nn.DataParallel`` does.
         device_ids: ``torch.nn.DataParallel``'s name for ``devices``, so code written for it runs unchanged; pass
             one of the two.
-        time_phases: add the seconds of every phase (scatter, replicate, parallel apply, gather) to
-            ``phase_seconds``, for benchmarks; off, no step reads a clock. It can be switched at any time.
         chunk_weights: one relative share per device, so that a device can take fewer rows of every batch than
             the others (the root device, which also holds the gathered outputs, say): ``[1, 2, 2, 2]`` gives the
             root a seventh of each batch and the others two sevenths each. Rows are assigned by largest-remainder
@@ -94,7 +88,6 @@ class MGPUDataParallel(nn.Module):
         *,
         sync_batchnorm: bool = True,
         device_ids: Sequence[DeviceLike] | None = None,
-        time_phases: bool = False,
         chunk_weights: Sequence[float] | None = None,
     ) -> None:
         super().__init__()
@@ -113,8 +106,6 @@ class MGPUDataParallel(nn.Module):
         self._replicate = ReplicaCache()
         self.sync_batchnorm = sync_batchnorm
         self._batchnorms: tuple[object, list[tuple[int, str]]] = (None, [])
-        self.time_phases = time_phases
-        self.phase_seconds: dict[str, float] = dict.fromkeys(PHASES, 0.0)
         self._batch_layouts: dict[str, LayoutMemory] = {}
         self._output_layouts: dict[str, LayoutMemory] = {}
         self._chunk_weights: tuple[float, ...] | None = None
@@ -152,8 +143,6 @@ class MGPUDataParallel(nn.Module):
         if not inputs and not kwargs:
             alone = self._run_replicas(None, [((), {})], [0], check_device=True)
             return self.gather(alone.outputs, None, "forward")
-        timing = self.time_phases
-        started = time.perf_counter() if timing else 0.0
         try:
             chunks, sizes, devices = scatter_to_devices(
                 {"inputs": Fields(inputs), "kwargs": kwargs},
@@ -167,8 +156,6 @@ class MGPUDataParallel(nn.Module):
                 " batch['inputs'][i] is positional input i, batch['kwargs'][name] the keyword argument name."
             )
             raise
-        if timing:
-            self.phase_seconds["scatter"] += time.perf_counter() - started
         calls = [(tuple(chunk["inputs"]), chunk["kwargs"]) for chunk in chunks]
         replica_outputs = self._run_replicas(None, calls, sizes, check_device=True, devices=devices)
         return self.gather(replica_outputs.outputs, replica_outputs.sizes, "forward")
@@ -192,12 +179,7 @@ class MGPUDataParallel(nn.Module):
             method: the method that returned ``outputs``; each method's outputs keep their own memory of how their
                 lists were gathered in earlier steps.
         """
-        if not self.time_phases:
-            return gather(outputs, self.output_device, sizes, memory=_layouts(self._output_layouts, method))
-        started = time.perf_counter()
-        gathered = gather(outputs, self.output_device, sizes, memory=_layouts(self._output_layouts, method))
-        self.phase_seconds["gather"] += time.perf_counter() - started
-        return gathered
+        return gather(outputs, self.output_device, sizes, memory=_layouts(self._output_layouts, method))
 
     def run(
         self,
@@ -224,13 +206,9 @@ class MGPUDataParallel(nn.Module):
         in the batch that could be read as one item per sample or as fields is read as it was in earlier batches of
         the same method (see ``lightning_mgpu.engine.scatter``).
         """
-        timing = self.time_phases
-        started = time.perf_counter() if timing else 0.0
         chunks, sizes, devices = scatter_to_devices(
             batch, self.devices, _layouts(self._batch_layouts, method), self._chunk_weights
         )
-        if timing:
-            self.phase_seconds["scatter"] += time.perf_counter() - started
         shared = kwargs or {}
         calls = [((chunk, *args), shared) for chunk in chunks]
         return self._run_replicas(method, calls, sizes, context, prepare_replica, devices=devices)
@@ -251,8 +229,6 @@ class MGPUDataParallel(nn.Module):
         ``torch.nn.DataParallel``. ``check_device``: raise, as ``torch.nn.DataParallel`` does, when the module is
         not on the root device (replicating looks at every tensor's device anyway).
         """
-        timing = self.time_phases
-        started = time.perf_counter() if timing else 0.0
         if devices is None:
             devices = self.devices[: len(calls)]
         misplaced = self._check_module_device if check_device else None
@@ -265,14 +241,10 @@ class MGPUDataParallel(nn.Module):
             _bind(replica if method is None else getattr(replica, method), args, kwargs, index, rendezvous)
             for index, (replica, (args, kwargs)) in enumerate(zip(replicas, calls, strict=True))
         ]
-        replicated = time.perf_counter() if timing else 0.0
         outputs = self._apply_in_threads(bound, devices, context)
         self._replicate.keep_reassigned_buffers()
         if devices[0] != self.root_device:
             self._return_buffers_to_root()
-        if timing:
-            self.phase_seconds["replicate"] += replicated - started
-            self.phase_seconds["parallel_apply"] += time.perf_counter() - replicated
         return ReplicaOutputs(outputs, sizes, replicas)
 
     def _return_buffers_to_root(self) -> None:
