@@ -27,6 +27,10 @@ def _model() -> nn.Module:
     return model
 
 
+def _shares_storage(tensor: torch.Tensor, original: torch.Tensor) -> bool:
+    return tensor.untyped_storage().data_ptr() == original.untyped_storage().data_ptr() and tensor is not original
+
+
 def test_replica_parameters_are_aliases_and_gradients_reach_the_originals() -> None:
     model = _model()
     replicas = replicate(model, CPU2)
@@ -34,7 +38,7 @@ def test_replica_parameters_are_aliases_and_gradients_reach_the_originals() -> N
     for replica in replicas:
         own = dict(replica.named_parameters())
         assert own.keys() == originals.keys()
-        assert all(not tensor.is_leaf and tensor._base is originals[name] for name, tensor in own.items())
+        assert all(not tensor.is_leaf and _shares_storage(tensor, originals[name]) for name, tensor in own.items())
         assert [name for name, _ in replica.body.named_parameters()] == [
             "0.weight",
             "0.bias",
@@ -211,7 +215,7 @@ def test_compiled_submodules_run_their_own_replica_and_leave_the_module_whole(
     assert [type(child).__name__ for child in encoder.modules()] == ["_Encoder", "Linear"]
     # Replicas whose weights differ from the module's, as copies on other GPUs may: a replica that ran the module
     # itself would return the module's output instead of its own.
-    monkeypatch.setattr(replicate_module, "_alias", lambda param: param * 0)
+    monkeypatch.setattr(replicate_module, "replica_parameters", lambda params: [param * 0 for param in params])
     replicas = replicate(parallel, CPU2)
     torch.testing.assert_close(replicas[1](torch.randn(3, 4)), torch.ones(3, 4))
 
@@ -298,3 +302,40 @@ def test_a_buffer_reassigned_by_replica_0_is_kept() -> None:
         wrapper.close()
     assert model.calls.item() == 3.0
     assert "calls" in dict(model.named_buffers())
+
+
+def test_a_replica_records_one_autograd_node_for_all_its_parameters_and_keeps_their_semantics() -> None:
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2), nn.Linear(2, 2))
+    model[2].bias.requires_grad_(False)
+    replicas = replicate(model, CPU2)
+    for replica in replicas:
+        nodes = {param.grad_fn for param in replica.parameters() if param.requires_grad}
+        assert len(nodes) == 1
+        assert None not in nodes
+        assert [param.requires_grad for param in replica.parameters()] == [
+            param.requires_grad for param in model.parameters()
+        ]
+    x = torch.randn(6, 3)
+    # Double backward (a gradient penalty) through replica 1 equals the same on the module itself.
+    (penalty,) = torch.autograd.grad(replicas[1][:3](x).pow(2).sum(), replicas[1][0].weight, create_graph=True)
+    penalty.square().sum().backward()
+    through_replica = model[0].weight.grad.clone()
+    model.zero_grad(set_to_none=True)
+    (penalty,) = torch.autograd.grad(model[:3](x).pow(2).sum(), model[0].weight, create_graph=True)
+    penalty.square().sum().backward()
+    torch.testing.assert_close(through_replica, model[0].weight.grad, rtol=0, atol=0)
+    # A parameter no replica uses gets no gradient, not a zero one.
+    model.zero_grad(set_to_none=True)
+    replicas = replicate(model, CPU2)
+    sum(replica[:3](x).sum() for replica in replicas).backward()
+    assert model[3].weight.grad is None
+    assert model[3].bias.grad is None
+    assert model[0].weight.grad is not None
+
+
+def test_replicas_made_without_gradient_recording_are_plain_aliases() -> None:
+    model = nn.Linear(3, 2)
+    with torch.no_grad():
+        replicas = replicate(model, CPU2)
+    for replica in replicas:
+        assert all(param.grad_fn is None and _shares_storage(param, model.weight) for param in [replica.weight])

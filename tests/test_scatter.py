@@ -299,3 +299,43 @@ def test_a_slotted_frozen_dataclass_with_an_init_false_field_is_split() -> None:
     chunks, _ = scatter(Slotted(torch.arange(4.0)), CPU2)
     assert chunks[1].x.tolist() == [2.0, 3.0]
     assert chunks[1].doubled.tolist() == [4.0, 6.0]
+
+
+@pytest.mark.parametrize(("rows", "devices"), [(5, 2), (2, 4), (7, 3), (1, 2)])
+def test_plain_tensors_split_as_the_general_path_splits_them(rows: int, devices: int) -> None:
+    from lightning_mgpu.engine.scatter import scatter_to_devices, split_plain_tensors
+
+    inputs = (torch.randn(rows, 3), torch.arange(rows), torch.randn(rows, 2, 2))
+    fast = split_plain_tensors(inputs, [torch.device("cpu")] * devices)
+    assert fast is not None
+    chunks, sizes, used = scatter_to_devices({"inputs": Fields(inputs), "kwargs": {}}, [torch.device("cpu")] * devices)
+    assert fast[1] == sizes
+    assert fast[2] == used
+    assert len(fast[0]) == len(chunks)
+    for quick, general in zip(fast[0], chunks, strict=True):
+        assert type(quick) is tuple
+        assert len(quick) == len(inputs)
+        for left, right in zip(quick, general["inputs"], strict=True):
+            assert torch.equal(left, right)
+
+
+class _Tagged(torch.Tensor):
+    pass
+
+
+@pytest.mark.parametrize(
+    "inputs",
+    [
+        (),
+        (torch.randn(4, 2), torch.randn(3, 2)),
+        (torch.randn(4, 2), torch.tensor(1.0)),
+        (torch.randn(0, 2),),
+        (torch.randn(4, 2), [torch.randn(4)]),
+        (torch.randn(4, 2).as_subclass(_Tagged),),
+    ],
+    ids=["no-inputs", "rows-disagree", "0-dim", "empty", "a-list", "a-subclass"],
+)
+def test_anything_but_plain_tensors_with_equal_rows_takes_the_general_path(inputs: tuple) -> None:
+    from lightning_mgpu.engine.scatter import split_plain_tensors
+
+    assert split_plain_tensors(inputs, CPU2) is None

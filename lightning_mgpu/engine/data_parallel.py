@@ -14,14 +14,14 @@ from lightning_mgpu.engine.gather import gather
 from lightning_mgpu.engine.parallel_apply import ContextFactory, ParallelApply
 from lightning_mgpu.engine.replicate import ReplicaCache, all_on, modules_of
 from lightning_mgpu.engine.scatter import (
-    Fields,
     LayoutMemory,
     check_chunk_weight_count,
     check_chunk_weights,
     move_to,
+    scatter_inputs,
     scatter_to_devices,
 )
-from lightning_mgpu.errors import BatchSplitError, ConfigurationError
+from lightning_mgpu.errors import ConfigurationError
 
 PrepareReplica = Callable[[nn.Module, int, int, torch.device, int], None]
 DeviceLike = torch.device | str | int
@@ -143,20 +143,9 @@ class MGPUDataParallel(nn.Module):
         if not inputs and not kwargs:
             alone = self._run_replicas(None, [((), {})], [0], check_device=True)
             return self.gather(alone.outputs, None, "forward")
-        try:
-            chunks, sizes, devices = scatter_to_devices(
-                {"inputs": Fields(inputs), "kwargs": kwargs},
-                self.devices,
-                _layouts(self._batch_layouts, "forward"),
-                self._chunk_weights,
-            )
-        except BatchSplitError as error:
-            error.add_note(
-                "lightning_mgpu: MGPUDataParallel splits the positional and keyword inputs of forward as one batch:"
-                " batch['inputs'][i] is positional input i, batch['kwargs'][name] the keyword argument name."
-            )
-            raise
-        calls = [(tuple(chunk["inputs"]), chunk["kwargs"]) for chunk in chunks]
+        calls, sizes, devices = scatter_inputs(
+            inputs, kwargs, self.devices, _layouts(self._batch_layouts, "forward"), self._chunk_weights
+        )
         replica_outputs = self._run_replicas(None, calls, sizes, check_device=True, devices=devices)
         return self.gather(replica_outputs.outputs, replica_outputs.sizes, "forward")
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import operator
 import warnings
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -129,16 +130,14 @@ class _Structure:
             ]
         position = self.position
         first = index == 0
-        alias = _alias
-        aliases: dict[int, torch.Tensor] = {}
+        aliases: dict[int, torch.Tensor] = _aliases_of(originals) if on_device else {}
         compiled: list[tuple[nn.Module, nn.Module]] = []
         rows = zip(originals, shells, self.reusable, self.compiled_wrapper, strict=True)
         for original, shell, reuse, wrapper in rows:
             source = original.__dict__
             if reuse:
-                state = shell.__dict__
-                state.clear()
-                state.update(source)
+                state = source.copy()  # a fresh dict: cheaper than clearing and refilling the shell's
+                object.__setattr__(shell, "__dict__", state)
                 children = source["_modules"]
                 state["_modules"] = (
                     {name: None if child is None else shells[position[id(child)]] for name, child in children.items()}
@@ -152,9 +151,7 @@ class _Structure:
                         continue
                     replica_param = aliases.get(id(param))
                     if replica_param is None:
-                        replica_param = aliases[id(param)] = (
-                            alias(param) if on_device else _parameter_alias(param, device)
-                        )
+                        replica_param = aliases[id(param)] = _parameter_alias(param, device)
                     parameters[name] = replica_param
                 state["_parameters"] = parameters
                 buffers = source["_buffers"]
@@ -208,6 +205,15 @@ def _same_objects(left: list[nn.Module], right: list[nn.Module]) -> bool:
 
 def all_on(modules: list[nn.Module], device: torch.device) -> bool:
     """Whether every parameter and buffer of ``modules`` (from ``modules_of``) is on ``device`` exactly."""
+    if device.type == "cpu":  # the common case of virtual replicas, read without building a device per tensor
+        for module in modules:
+            for tensor in module._parameters.values():
+                if tensor is not None and not tensor.is_cpu:
+                    return False
+            for buffer in module._buffers.values():
+                if buffer is not None and not buffer.is_cpu:
+                    return False
+        return True
     for module in modules:
         for tensor in module._parameters.values():
             if tensor is not None and tensor.device != device:
@@ -324,10 +330,62 @@ def _bind_compiled(original: nn.Module, shell: nn.Module) -> None:
     shell.__dict__["_compiled_call_impl"] = rebound
 
 
+def _aliases_of(originals: list[nn.Module]) -> dict[int, torch.Tensor]:
+    """One alias per distinct parameter of ``originals`` (by ``id``), for a replica on the parameters' own device."""
+    distinct: dict[int, torch.Tensor] = {}
+    for original in originals:
+        for param in original._parameters.values():
+            if param is not None:
+                distinct[id(param)] = param
+    return dict(zip(distinct, replica_parameters(list(distinct.values())), strict=True))
+
+
+def replica_parameters(params: list[torch.Tensor]) -> Sequence[torch.Tensor]:
+    """Aliases of ``params`` for one replica, made by a single autograd node when gradients are recorded.
+
+    A replica's parameters must be tensors of their own whose gradients flow back to the originals, as the
+    outputs of torch's ``Broadcast`` are in ``torch.nn.DataParallel``. An alias per parameter (``aten.alias``)
+    costs one autograd node per parameter per replica, each run in the backward pass; one node for all of a
+    replica's parameters halves what replication adds to a step (see benchmarks/README.md).
+    """
+    if not params:
+        return ()
+    if torch.is_grad_enabled() and any(param.requires_grad for param in params):
+        return _ReplicaParameters.apply(*params)
+    return [_alias(param) for param in params]
+
+
+class _ReplicaParameters(torch.autograd.Function):
+    """Identity on a replica's parameters: tensors sharing their storage, gradients passed through untouched.
+
+    Passed through untouched, sparse gradients (``nn.Embedding(sparse=True)``) reach the parameters as on one
+    device, a parameter that a replica leaves unused gets no gradient from it (not a zero one), and the backward
+    pass stays differentiable for double backward.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)
+        aliases = tuple([param.detach() for param in params])
+        frozen = [alias for alias, param in zip(aliases, params, strict=True) if not param.requires_grad]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return aliases
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        return grads
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        return tangents
+
+
 # ``alias`` rather than ``view_as``: its backward passes the gradient through untouched, so sparse gradients
 # (nn.Embedding(sparse=True)) reach the parameter as they do on one device. Called through the builtin behind the
-# overload (private ``_op``), without the Python frame of ``OpOverload.__call__``, which only forwards to it: a step
-# makes one alias per parameter per replica. A private torch touch point, covered by tests/test_replicate.py.
+# overload (private ``_op``), without the Python frame of ``OpOverload.__call__``, which only forwards to it. Used
+# where no gradient is recorded and for a parameter already on a replica's device when others are not; a private
+# torch touch point, covered by tests/test_replicate.py.
 _ALIAS_OVERLOAD = torch.ops.aten.alias.default
 _alias: Callable[[torch.Tensor], torch.Tensor] = getattr(_ALIAS_OVERLOAD, "_op", _ALIAS_OVERLOAD)
 

@@ -243,6 +243,67 @@ def scatter_to_devices(
     return chunks, sizes, used
 
 
+def scatter_inputs(
+    inputs: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    devices: Sequence[torch.device],
+    memory: LayoutMemory | None = None,
+    weights: Sequence[float] | None = None,
+) -> tuple[list[tuple[tuple[Any, ...], dict[str, Any]]], list[int], list[torch.device]]:
+    """Split a call's positional and keyword inputs as one batch: one ``(args, kwargs)`` per device given rows.
+
+    Positional input ``i`` is ``batch['inputs'][i]`` and keyword ``name`` is ``batch['kwargs'][name]`` of the batch
+    that ``scatter_to_devices`` splits (error messages name them so); plain tensors alone take a shorter path to
+    the same chunks.
+    """
+    if not kwargs and weights is None:
+        split = split_plain_tensors(inputs, devices)
+        if split is not None:
+            chunks, sizes, used = split
+            return [(chunk, {}) for chunk in chunks], sizes, used
+    try:
+        batches, sizes, used = scatter_to_devices(
+            {"inputs": Fields(inputs), "kwargs": kwargs}, devices, memory, weights
+        )
+    except BatchSplitError as error:
+        error.add_note(
+            "lightning_mgpu: MGPUDataParallel splits the positional and keyword inputs of forward as one batch:"
+            " batch['inputs'][i] is positional input i, batch['kwargs'][name] the keyword argument name."
+        )
+        raise
+    return [(tuple(batch["inputs"]), batch["kwargs"]) for batch in batches], sizes, used
+
+
+def split_plain_tensors(
+    tensors: Sequence[Any], devices: Sequence[torch.device]
+) -> tuple[list[tuple[torch.Tensor, ...]], list[int], list[torch.device]] | None:
+    """``scatter_to_devices`` of the commonest call, ``module(x, ...)`` on plain tensors, without its general walk.
+
+    Plain tensors that agree on their rows are split along dim 0 as ``scatter_to_devices`` splits them, evenly; for
+    anything else (no tensors, a subclass, a 0-dim tensor, rows that disagree or an empty batch) this returns
+    ``None`` and the caller takes the general path, which raises its own errors.
+    """
+    rows = -1
+    for tensor in tensors:
+        if type(tensor) is not torch.Tensor or tensor.dim() == 0:
+            return None
+        size = tensor.shape[0]
+        if rows == -1:
+            rows = size
+        elif size != rows:
+            return None
+    if rows < 1:
+        return None
+    sizes = chunk_sizes(rows, len(devices))
+    used = list(devices[: len(sizes)])
+    chunks = []
+    start = 0
+    for size, device in zip(sizes, used, strict=True):
+        chunks.append(tuple([tensor.narrow(0, start, size).to(device, non_blocking=True) for tensor in tensors]))
+        start += size
+    return chunks, sizes, used
+
+
 def move_to(obj: Any, device: torch.device) -> Any:
     """``obj`` with its tensors on ``device``; containers are rebuilt only when a tensor inside them moved."""
     if isinstance(obj, torch.Tensor):
