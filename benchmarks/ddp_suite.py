@@ -1,14 +1,7 @@
-"""Multi-process benchmarks: hand-written DDP vs Lightning ``ddp`` vs ``mgpu_ddp``, and ``mgpu_ddp``'s scaling.
+"""Multi-process jobs: hand-written DDP vs Lightning ``ddp`` vs ``mgpu_ddp``, on ``world_size`` processes and on 1.
 
-A job is a group of fresh processes (``python -m benchmarks.ddp_worker``), one per rank, with
-``OMP_NUM_THREADS=1``, a free port and the ranks in the environment, so Lightning treats the processes as externally
-launched and the hand-written loop reads them with ``init_method="env://"``.
-
-By default a job runs every variant of one world size in turn, ``rounds`` times (torch, ddp, mgpu_ddp, torch, ddp,
-mgpu_ddp, ...), each variant a fresh model and Trainer with its own warm-up: on a shared machine a neighbour's burst
-of load lasts seconds, so variants a second apart see the same machine, where separate jobs (tens of seconds apart)
-often do not. ``isolated=True`` runs each variant as its own job instead (A B C A B C ...). Either way repeats
-alternate the jobs, and every ratio is taken between measurements of the same repeat and round.
+A job is one process per rank (``python -m benchmarks.ddp_worker``), by default running every variant of its world
+size in turn, ``rounds`` times (variants a second apart see the same machine; ``isolated``: a job per variant).
 """
 
 from __future__ import annotations
@@ -22,89 +15,65 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from benchmarks.ddp_worker import PROFILE_SUFFIX
 from benchmarks.models import Mode, typical_step
 
 ROOT = Path(os.path.abspath(__file__)).parents[1]
 JOB_TIMEOUT_S = 900
+VARIANTS = ("torch", "ddp", "mgpu_ddp")
 
 
-@dataclass(frozen=True)
-class Job:
-    """One group of processes: the variants it runs in turn, how many rounds, and its number of processes."""
+class Job(NamedTuple):
+    """One group of processes: the variants it runs in turn, its number of processes, and how many rounds."""
 
     variants: tuple[str, ...]
     world_size: int
     rounds: int = 1
 
-    @property
-    def label(self) -> str:
-        """For progress messages."""
-        return f"{'+'.join(self.variants)} x{self.world_size} proc., {self.rounds} round(s)"
-
 
 def variant_key(variant: str, world_size: int) -> str:
-    """The name of a variant at a world size in ``results.json``, e.g. ``mgpu_ddp@2``."""
+    """A variant at a world size in ``results.json``, e.g. ``mgpu_ddp@2``."""
     return f"{variant}@{world_size}"
 
 
-def jobs(mode: Mode, world_size: int, isolated: bool) -> tuple[list[Job], list[Job]]:
-    """The jobs of one repeat, and the jobs run once after the repeats (the cProfile run of ``mgpu_ddp``).
-
-    A repeat runs ``torch``, ``ddp`` and ``mgpu_ddp`` at ``world_size``, and again on one process, for the scaling
-    rows and for a comparison that no other process's timing disturbs.
-    """
-    full = ("torch", "ddp", "mgpu_ddp")
-    single = full if world_size > 1 else ()
-    profile = Job(("mgpu_ddp" + PROFILE_SUFFIX,), 1)
+def jobs(mode: Mode, world_size: int, isolated: bool) -> list[tuple[str, Job]]:
+    """Every job of the run, labelled: the repeats (``world_size`` processes and 1), then ``mgpu_ddp`` profiled."""
+    sizes = (world_size, 1) if world_size > 1 else (world_size,)
     if isolated:
-        repeat = [Job((variant,), world_size) for variant in full] + [Job((variant,), 1) for variant in single]
-        return repeat, [profile]
-    repeat = [Job(full, world_size, mode.ddp_rounds)] + ([Job(single, 1, mode.ddp_rounds)] if single else [])
+        repeat = [Job((variant,), size) for size in sizes for variant in VARIANTS]
+    else:
+        repeat = [Job(VARIANTS, size, mode.ddp_rounds) for size in sizes]
+    profile = Job(("mgpu_ddp" + PROFILE_SUFFIX,), 1)
     if mode.name == "smoke":  # one process start fewer
-        return [*repeat[:-1], Job((*repeat[-1].variants, *profile.variants), repeat[-1].world_size)], []
-    return repeat, [profile]
+        repeat[-1] = Job((*repeat[-1].variants, *profile.variants), repeat[-1].world_size)
+        return [("smoke", job) for job in repeat]
+    return [(f"repeat {r + 1}/{mode.ddp_repeats}", job) for r in range(mode.ddp_repeats) for job in repeat] + [
+        ("once", profile)
+    ]
 
 
-def run_suite(
-    mode: Mode, device: str, world_size: int, say: Callable[[str], None], isolated: bool = False
-) -> dict[str, Any]:
-    """Run every job ``mode.ddp_repeats`` times, alternating; returns samples/s per model, variant and measurement.
-
-    The lists of measurements line up: entry ``i`` of every variant comes from the same repeat and round.
-    """
+def run_suite(mode: Mode, device: str, world_size: int, say: Callable[[str], None], isolated: bool) -> dict[str, Any]:
+    """Run every job; per model and variant, aligned lists (entry ``i``: the same repeat and round)."""
     models = [spec.name for spec in mode.models]
-    samples_per_s: dict[str, dict[str, list[float]]] = {model: {} for model in models}
-    step_s: dict[str, dict[str, list[float]]] = {model: {} for model in models}
-    cpu_step_s: dict[str, dict[str, list[float]]] = {model: {} for model in models}
+    results: dict[str, Any] = {
+        key: {model: {} for model in models} for key in ("samples_per_s", "step_s", "cpu_step_s")
+    }
     profiles: dict[str, Any] = {}
-    repeat_jobs, once_jobs = jobs(mode, world_size, isolated)
-    schedule = [(f"repeat {r + 1}/{mode.ddp_repeats}", job) for r in range(mode.ddp_repeats) for job in repeat_jobs]
-    schedule += [("once", job) for job in once_jobs]
-    for label, job in schedule:
+    for label, job in jobs(mode, world_size, isolated):
         started = time.perf_counter()
         for result in run_job(job, models, mode, device):
             if result["profile"] is not None:
                 profiles[result["model"]] = result["profile"]
                 continue
-            key = variant_key(result["variant"], result["world_size"])
-            samples_per_s[result["model"]].setdefault(key, []).append(result["samples_per_s"])
-            step_s[result["model"]].setdefault(key, []).append(result["step_s"])
-            cpu_step_s[result["model"]].setdefault(key, []).append(result["cpu_step_s"])
-        say(f"  multi-process {label}: {job.label} ({time.perf_counter() - started:.1f} s)")
+            for key in ("samples_per_s", "step_s", "cpu_step_s"):
+                results[key][result["model"]].setdefault(result["variant"], []).append(result[key])
+        seconds = time.perf_counter() - started
+        say(f"  multi-process {label}: {'+'.join(job.variants)} x{job.world_size} proc. ({seconds:.1f} s)")
     layout = "isolated" if isolated else f"shared, {mode.ddp_rounds} round(s) per job"
-    return {
-        "samples_per_s": samples_per_s,
-        "step_s": step_s,
-        "cpu_step_s": cpu_step_s,
-        "world_size": world_size,
-        "profiles": profiles,
-        "layout": layout,
-    }
+    return {**results, "world_size": world_size, "profiles": profiles, "layout": layout}
 
 
 def run_job(job: Job, models: list[str], mode: Mode, device: str) -> list[dict[str, Any]]:
@@ -112,44 +81,29 @@ def run_job(job: Job, models: list[str], mode: Mode, device: str) -> list[dict[s
     with tempfile.TemporaryDirectory(prefix="mgpu-bench-") as tmp:
         out = Path(tmp)
         port = free_port()
-        command = [
-            sys.executable, "-m", "benchmarks.ddp_worker", "--variants", ",".join(job.variants),
-            "--models", ",".join(models), "--mode", mode.name, "--device", device, "--out", str(out),
-            "--rounds", str(job.rounds),
-        ]  # fmt: skip
+        command = [sys.executable, "-m", "benchmarks.ddp_worker", "--variants", ",".join(job.variants), "--models",
+                   ",".join(models), "--mode", mode.name, "--device", device, "--out", tmp,
+                   "--rounds", str(job.rounds)]  # fmt: skip
         logs = [out / f"rank{rank}.log" for rank in range(job.world_size)]
         processes = []
         for rank, log in enumerate(logs):
             with log.open("w") as sink:
-                processes.append(
-                    subprocess.Popen(
-                        command,
-                        cwd=ROOT,
-                        env=rank_env(rank, job.world_size, port),
-                        stdout=sink,
-                        stderr=subprocess.STDOUT,
-                    )
-                )
+                env = rank_env(rank, job.world_size, port)
+                processes.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT))
         _wait(processes, logs, job)
-        reports = [json.loads((out / f"rank{rank}.json").read_text())["results"] for rank in range(job.world_size)]
+        reports = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(job.world_size)]
     combined = []
     for per_rank in zip(*reports, strict=True):
         first = per_rank[0]
-        # Ranks meet in every step's all-reduce, so a step lasts as long as its slowest rank says.
-        durations = [max(ranks) for ranks in zip(*(result["durations"] for result in per_rank), strict=True)]
-        step = typical_step(durations, device == "cuda")
-        cpu = [max(ranks) for ranks in zip(*(result["cpu_durations"] for result in per_rank), strict=True)]
-        combined.append(
-            {
-                "variant": first["variant"],
-                "model": first["model"],
-                "world_size": first["world_size"],
-                "samples_per_s": sum(result["batch"] for result in per_rank) / step,
-                "step_s": step,
-                "cpu_step_s": statistics.median(cpu),
-                "profile": first.get("profile"),
-            }
-        )
+        # Ranks meet in every step's all-reduce, so a step lasts as long as its slowest rank.
+        wall, cpu = ([max(ranks) for ranks in zip(*(r[key] for r in per_rank), strict=True)]
+                     for key in ("durations", "cpu_durations"))  # fmt: skip
+        step = typical_step(wall, device == "cuda")
+        combined.append({
+            "variant": variant_key(first["variant"], job.world_size), "model": first["model"],
+            "samples_per_s": sum(r["batch"] for r in per_rank) / step, "step_s": step,
+            "cpu_step_s": statistics.median(cpu), "profile": first["profile"],
+        })  # fmt: skip
     return combined
 
 
@@ -157,25 +111,14 @@ def _wait(processes: list[subprocess.Popen[bytes]], logs: list[Path], job: Job) 
     """Wait for every rank; as soon as one fails or time runs out, stop the others and raise with its output."""
     deadline = time.monotonic() + JOB_TIMEOUT_S
     try:
-        while any(process.poll() is None for process in processes):
-            failed = [rank for rank, process in enumerate(processes) if process.returncode not in (None, 0)]
-            if failed:
-                rank = failed[0]
-                raise RuntimeError(
-                    f"benchmark job {job.label}: rank {rank} exited with {processes[rank].returncode}.\n"
-                    f"{logs[rank].read_text()[-4000:]}"
-                )
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"benchmark job {job.label} ran past {JOB_TIMEOUT_S} s.\n{logs[0].read_text()[-4000:]}"
-                )
+        while time.monotonic() < deadline and all(process.poll() in (None, 0) for process in processes):
+            if all(process.returncode == 0 for process in processes):
+                return
             time.sleep(0.05)
-        for rank, process in enumerate(processes):
-            if process.returncode != 0:
-                raise RuntimeError(
-                    f"benchmark job {job.label}: rank {rank} exited with {process.returncode}.\n"
-                    f"{logs[rank].read_text()[-4000:]}"
-                )
+        rank = next((r for r, process in enumerate(processes) if process.returncode not in (None, 0)), 0)
+        code = processes[rank].returncode
+        state = f"exited with {code}" if code else f"ran past {JOB_TIMEOUT_S} s"
+        raise RuntimeError(f"benchmark job {job}: rank {rank} {state}.\n{logs[rank].read_text()[-4000:]}")
     finally:
         for process in processes:
             if process.poll() is None:
@@ -184,21 +127,13 @@ def _wait(processes: list[subprocess.Popen[bytes]], logs: list[Path], job: Job) 
 
 
 def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
-    """The environment of one rank: the parent's, minus launcher variables, plus this job's ranks and one thread."""
+    """The parent's environment minus launcher variables, plus this job's ranks and one intra-op thread."""
     env = {key: value for key, value in os.environ.items() if not key.startswith(("SLURM_", "TORCHELASTIC_", "PL_"))}
     for key in ("GROUP_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK"):
         env.pop(key, None)
-    env.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        OMP_NUM_THREADS="1",
-        MKL_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
-    )
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+               WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))  # fmt: skip
     return env
 
 

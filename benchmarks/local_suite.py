@@ -1,18 +1,9 @@
-"""Single-process benchmarks: ``mgpu_dp`` and its engine against one device, and ``MGPUMixin`` against no mixin.
+"""Single-process variants, each a fresh run on the same model, data and optimizer, repeated in turn (A B C A B C).
 
-Variants, each a fresh run on the same model (same seed), data and optimizer, timed over the same steps:
-
-- ``single``: Lightning's default strategy on one device (on the CPU: one intra-op thread);
-- ``single_2t`` (CPU only): the same with two intra-op threads, torch's own way of using both cores;
-- ``mixin``: ``single`` with ``MGPUMixin`` among the LightningModule's bases;
-- ``mgpu_dp``: ``strategy="mgpu_dp"`` with one replica per device (on the CPU: 2 virtual replicas, one intra-op
-  thread each);
-- ``raw``: a hand-written loop on one device, no Lightning;
-- ``raw_engine``: the same loop through ``lightning_mgpu.engine.MGPUDataParallel`` (the engine without Lightning);
-- ``torch_dp`` (CUDA only): the same loop through ``torch.nn.DataParallel``.
-
-Every variant processes the same global batch per step (the per-device batch times the number of replicas), so step
-times compare equal work. Repeats run the variants in turn (A B C A B C ...).
+``single``: one device (CPU: one intra-op thread); ``single_2t`` (CPU): two intra-op threads; ``mixin``: ``single``
+with ``MGPUMixin``; ``mgpu_dp``: one replica per device (CPU: 2 virtual replicas); ``raw``, ``raw_engine``,
+``torch_dp`` (CUDA): a hand-written loop on one device, through ``MGPUDataParallel``, through
+``torch.nn.DataParallel``. Every variant processes the same global batch per step.
 """
 
 from __future__ import annotations
@@ -20,16 +11,19 @@ from __future__ import annotations
 import itertools
 import statistics
 import time
+import timeit
 from collections.abc import Callable
 from typing import Any
 
+import lightning as L
 import torch
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
-from benchmarks.models import Clocked, Mode, ModelSpec, ReplicaClock, build_net, dataset, optimizer, typical_step
+from benchmarks import models
 from benchmarks.modules import BenchModule, MixinBenchModule, StepTimer, quiet_lightning, trainer_for
 from benchmarks.phases import PHASES, PhaseTimer
-from lightning_mgpu import MGPUDPStrategy
+from lightning_mgpu import MGPUDPStrategy, MGPUMixin
 from lightning_mgpu.engine import MGPUDataParallel
 
 CPU_VARIANTS = ("single", "single_2t", "mixin", "mgpu_dp", "raw", "raw_engine")
@@ -37,155 +31,123 @@ CUDA_VARIANTS = ("single", "mixin", "mgpu_dp", "raw", "raw_engine", "torch_dp")
 
 
 def replica_devices(device: str) -> list[torch.device]:
-    """The devices of the data-parallel variants: 2 virtual CPU replicas, every visible GPU, or 2 replicas on one GPU.
-
-    With a single GPU, one device would leave nothing to split (``mgpu_dp`` with one device runs the module itself),
-    so its two replicas share the GPU, as the CPU proxy's share the CPU.
-    """
+    """2 virtual CPU replicas, every visible GPU, or with one GPU 2 replicas sharing it (one would split nothing)."""
     if device == "cuda":
         count = torch.cuda.device_count()
         return [torch.device("cuda", index) for index in range(count)] if count > 1 else [torch.device("cuda", 0)] * 2
-    return [torch.device("cpu"), torch.device("cpu")]
+    return [torch.device("cpu")] * 2
 
 
-def run_suite(mode: Mode, device: str, say: Callable[[str], None]) -> dict[str, Any]:
+def run_suite(mode: models.Mode, device: str, say: Callable[[str], None]) -> dict[str, Any]:
     """Every variant on every model, ``mode.local_repeats`` times, alternating; returns the measurements."""
     quiet_lightning()
     variants = CUDA_VARIANTS if device == "cuda" else CPU_VARIANTS
     devices = replica_devices(device)
-    threads = torch.get_num_threads()
-    if device == "cpu":
-        torch.set_num_threads(1)
     measurements: dict[str, dict[str, list[dict[str, float]]]] = {spec.name: {} for spec in mode.models}
-    try:
-        for repeat in range(mode.local_repeats):
-            started = time.perf_counter()
-            for spec in mode.models:
-                for variant in variants:
-                    measurements[spec.name].setdefault(variant, []).append(measure(variant, spec, devices))
-            say(f"  single-process repeat {repeat + 1}/{mode.local_repeats} ({time.perf_counter() - started:.1f} s)")
-    finally:
-        torch.set_num_threads(threads)
-    return {"measurements": measurements, "replicas": len(devices), "variants": list(variants)}
+    for repeat in range(mode.local_repeats):
+        started = time.perf_counter()
+        for spec in mode.models:
+            for variant in variants:
+                run = _hand_written if variant in ("raw", "raw_engine", "torch_dp") else _lightning
+                with models.intra_op_threads(device, 2 if variant == "single_2t" else 1):
+                    measurements[spec.name].setdefault(variant, []).append(run(variant, spec, devices))
+        say(f"  single-process repeat {repeat + 1}/{mode.local_repeats} ({time.perf_counter() - started:.1f} s)")
+    return {"measurements": measurements, "replicas": len(devices)}
 
 
-def measure(variant: str, spec: ModelSpec, devices: list[torch.device]) -> dict[str, float]:
-    """One run of ``variant``: seconds per step, and for the engines the split of the step into phases."""
-    if variant == "single_2t":
-        previous = torch.get_num_threads()
-        torch.set_num_threads(2)
-        try:
-            return _lightning(variant, spec, devices)
-        finally:
-            torch.set_num_threads(previous)
-    if variant in ("raw", "raw_engine", "torch_dp"):
-        return _hand_written(variant, spec, devices)
-    return _lightning(variant, spec, devices)
-
-
-def _global_batch(spec: ModelSpec, devices: list[torch.device]) -> int:
-    return spec.batch * len(devices)
-
-
-def _lightning(variant: str, spec: ModelSpec, devices: list[torch.device]) -> dict[str, float]:
+def _lightning(variant: str, spec: models.ModelSpec, devices: list[torch.device]) -> dict[str, float]:
     module = MixinBenchModule(spec) if variant == "mixin" else BenchModule(spec)
     timer = StepTimer(spec.warmup, spec.steps)
-    accelerator = "gpu" if devices[0].type == "cuda" else "cpu"
-    strategy: str | MGPUDPStrategy = "mgpu_dp" if variant == "mgpu_dp" else "auto"
-    trainer_devices: int | list[int] = len(devices) if variant == "mgpu_dp" else [0] if accelerator == "gpu" else 1
-    if variant == "mgpu_dp" and accelerator == "gpu" and len(set(devices)) < len(devices):
-        # Lightning refuses a repeated GPU list; the strategy's own devices are kept as they are.
-        strategy, trainer_devices = MGPUDPStrategy(parallel_devices=devices), [0]
+    gpu = devices[0].type == "cuda"
+    strategy: str | MGPUDPStrategy = "auto"
+    trainer_devices: int | list[int] = [0] if gpu else 1
+    if variant == "mgpu_dp":
+        strategy, trainer_devices = "mgpu_dp", len(devices)
+        if gpu and len(set(devices)) < len(devices):  # Lightning refuses a repeated GPU; the strategy keeps its own
+            strategy, trainer_devices = MGPUDPStrategy(parallel_devices=devices), [0]
     steps = spec.warmup + spec.steps
-    trainer = trainer_for(timer, steps, strategy, trainer_devices, accelerator)
-    batch = _global_batch(spec, devices)
-    trainer.fit(module, DataLoader(dataset(spec, batch * steps), batch_size=batch, shuffle=False))
+    trainer = trainer_for([timer], steps, strategy, trainer_devices, "gpu" if gpu else "cpu")
+    batch = spec.batch * len(devices)
+    trainer.fit(module, DataLoader(models.dataset(spec, batch * steps), batch_size=batch, shuffle=False))
     durations = timer.durations()
-    result = _summary(durations, batch, accelerator == "gpu")
-    result["cpu_step_s"] = statistics.median(timer.cpu_durations())
+    result = _summary(durations, batch, gpu)
+    result["cpu_step_s"] = statistics.median(timer.durations(column=1))
     if variant == "mgpu_dp":
         compute = module.clock.critical_path(timer.first, timer.last)
         result.update(_split(timer.phase_durations(), compute, timer.strategy_step_seconds, durations))
     return result
 
 
-def _hand_written(variant: str, spec: ModelSpec, devices: list[torch.device]) -> dict[str, float]:
-    root = devices[0]
-    clock = ReplicaClock()
-    net = build_net(spec).to(root)
-    model: torch.nn.Module = Clocked(net, clock)
+def _hand_written(variant: str, spec: models.ModelSpec, devices: list[torch.device]) -> dict[str, float]:
+    root, cuda = devices[0], devices[0].type == "cuda"
+    clock = models.ReplicaClock()
+    net = models.build_net(spec).to(root)
+    model: torch.nn.Module = models.Clocked(net, clock)
     if variant == "raw_engine":
         model = MGPUDataParallel(model, devices)
-    elif variant == "torch_dp":
-        # torch's DataParallel cannot repeat a GPU (its broadcast needs distinct devices): on one GPU it runs alone.
+    elif (
+        variant == "torch_dp"
+    ):  # it cannot repeat a GPU (its broadcast needs distinct devices): on one GPU it runs alone
         model = torch.nn.DataParallel(model, device_ids=sorted({device.index for device in devices}))
-    optim = optimizer(net.parameters())
-    batch = _global_batch(spec, devices)
-    steps = spec.warmup + spec.steps
-    loader = DataLoader(dataset(spec, batch * steps), batch_size=batch, shuffle=False)
-    cuda = root.type == "cuda"
-    marks: list[float] = []
-    phase_marks: list[dict[str, float]] = []
-    timer = PhaseTimer(model).start() if isinstance(model, MGPUDataParallel) else None
+    phases = PhaseTimer(model).start() if isinstance(model, MGPUDataParallel) else None
+    optim = models.optimizer(net.parameters())
+    batch, steps = spec.batch * len(devices), spec.warmup + spec.steps
+    marks: list[tuple[float, dict[str, float]]] = []
     try:
-        for index, (x, y) in enumerate(loader):
-            if index == spec.warmup:
-                _synchronize(cuda)
+        for index, (x, y) in enumerate(
+            DataLoader(models.dataset(spec, batch * steps), batch_size=batch, shuffle=False)
+        ):
             if index >= spec.warmup:
-                phase_marks.append({} if timer is None else dict(timer.seconds))
-                marks.append(time.perf_counter())
+                if cuda and index == spec.warmup:
+                    torch.cuda.synchronize()
+                marks.append((time.perf_counter(), {} if phases is None else dict(phases.seconds)))
             clock.step = index
-            x, y = x.to(root, non_blocking=True), y.to(root, non_blocking=True)
-            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss = torch.nn.functional.cross_entropy(
+                model(x.to(root, non_blocking=True)), y.to(root, non_blocking=True)
+            )
             optim.zero_grad()
             loss.backward()
             optim.step()
-            if index == steps - 1:
-                break
-        _synchronize(cuda)
-        phase_marks.append({} if timer is None else dict(timer.seconds))
-        marks.append(time.perf_counter())
+        if cuda:
+            torch.cuda.synchronize()
+        marks.append((time.perf_counter(), {} if phases is None else dict(phases.seconds)))
     finally:
-        if timer is not None:
-            timer.stop()
+        if phases is not None:
+            phases.stop()
         if isinstance(model, MGPUDataParallel):
             model.close()
-    durations = [end - start for start, end in itertools.pairwise(marks)]
+    durations = [end[0] - start[0] for start, end in itertools.pairwise(marks)]
     result = _summary(durations, batch, cuda)
-    if isinstance(model, MGPUDataParallel):
-        phases = {name: [end[name] - start[name] for start, end in itertools.pairwise(phase_marks)] for name in PHASES}
-        compute = clock.critical_path(spec.warmup, steps - 1)
-        engine = [sum(parts) for parts in zip(*phases.values(), strict=True)]
-        result.update(_split(phases, compute, engine, durations))
+    if phases is not None:
+        split = {name: [end[1][name] - start[1][name] for start, end in itertools.pairwise(marks)] for name in PHASES}
+        engine = [sum(parts) for parts in zip(*split.values(), strict=True)]
+        result.update(_split(split, clock.critical_path(spec.warmup, steps - 1), engine, durations))
     return result
 
 
 def _summary(durations: list[float], batch: int, cuda: bool) -> dict[str, float]:
-    step = typical_step(durations, cuda)
-    return {"step_s": step, "samples_per_s": batch / step, "mean_step_s": statistics.fmean(durations)}
+    step = models.typical_step(durations, cuda)
+    return {"step_s": step, "samples_per_s": batch / step}
 
 
 def _split(
     phases: dict[str, list[float]], compute: list[float], engine: list[float], durations: list[float]
 ) -> dict[str, float]:
-    """Per-step seconds of each part of the engine's work (medians over steps), and its overhead share.
+    """Medians over steps of each part of an engine step, and of its overhead share.
 
-    ``engine`` holds, per step, everything the data-parallel layer did (under ``mgpu_dp``: the strategy's whole
-    ``training_step``; for the bare engine: its four phases). ``compute`` holds the replicas' own work on the
-    critical path (per step, the slowest replica's step body, timed inside its thread). Overhead is the difference;
-    its share is taken step by step (overhead of a step / duration of that step) and summarized by the median.
+    ``engine``: per step, all the data-parallel layer did (``mgpu_dp``: the strategy's ``training_step``; the bare
+    engine: its four phases); ``compute``: the slowest replica's step body. Overhead is the difference, its share
+    taken step by step (overhead / that step's duration).
     """
     if len(engine) != len(durations):
         raise RuntimeError(f"timed {len(durations)} steps but {len(engine)} calls of the data-parallel step")
-    zero = [0.0] * len(durations)
-    apply = phases.get("parallel_apply", zero)
-    known = [sum(parts) for parts in zip(*phases.values(), strict=True)] if phases else zero
+    known = [sum(parts) for parts in zip(*phases.values(), strict=True)]
     parts = {
-        "scatter_s": phases.get("scatter", zero),
-        "replicate_s": phases.get("replicate", zero),
-        "dispatch_s": [a - c for a, c in zip(apply, compute, strict=True)],
+        "scatter_s": phases["scatter"],
+        "replicate_s": phases["replicate"],
+        "dispatch_s": [a - c for a, c in zip(phases["parallel_apply"], compute, strict=True)],
         "compute_s": compute,
-        "gather_s": phases.get("gather", zero),
+        "gather_s": phases["gather"],
         "glue_s": [e - k for e, k in zip(engine, known, strict=True)],
         "overhead_s": [e - c for e, c in zip(engine, compute, strict=True)],
     }
@@ -196,6 +158,19 @@ def _split(
     return result
 
 
-def _synchronize(cuda: bool) -> None:
-    if cuda:
-        torch.cuda.synchronize()
+class _Plain(L.LightningModule):
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        return batch
+
+
+class _WithMixin(MGPUMixin, _Plain):
+    pass
+
+
+def mixin_wrapper_us(repeats: int, loops: int = 2000) -> float:
+    """Microseconds per call that ``MGPUMixin``'s wrapper adds to a step method (median over alternating loops)."""
+    plain, mixed, loss = _Plain(), _WithMixin(), torch.tensor(1.5)
+    steps = [lambda module=module: module.training_step(loss, 0) for module in (plain, mixed)]
+    costs = [[timeit.timeit(step, number=loops) / loops * 1e6 for step in steps] for _ in range(max(3, repeats))]
+    return statistics.median(with_mixin - without for without, with_mixin in costs)

@@ -1,17 +1,17 @@
 """The benchmark models, their synthetic data, and the settings of each mode (smoke, quick, full).
 
-Two models bracket the cost of a framework layer: a small MLP, whose step is so cheap that per-step Python overhead
-dominates, and a mid-size convolutional net whose step is dominated by compute. Both are built from a fixed seed and
-trained on data generated from a seed, so every variant of a benchmark sees the same weights and the same rows.
-
-Only ``torch`` is imported at module level: the hand-written PyTorch loops import this module without Lightning.
+A small MLP, whose step is cheap enough for per-step overhead to dominate, and a conv net whose step is mostly
+compute; both built from a fixed seed and trained on seeded data, so every variant sees the same weights and rows.
+Only ``torch`` is imported here: the hand-written DDP loop runs without Lightning.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -19,24 +19,15 @@ from torch import nn
 from torch.utils.data import TensorDataset
 from typing_extensions import override
 
-MODELS = ("mlp", "conv")
 CLASSES = 10
-LEARNING_RATE = 0.01
-MOMENTUM = 0.9
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """One model's size and how many steps a measurement of it runs.
+    """A model and its run: ``batch`` rows per process or replica, ``warmup`` untimed then ``steps`` timed steps.
 
-    Attributes:
-        name: ``"mlp"`` or ``"conv"``.
-        batch: rows per device: per process under DDP, per replica under ``mgpu_dp`` (whose global batch, also
-            given to the single-device variant it is compared with, is ``batch`` times the number of replicas).
-        warmup: steps run before timing starts (allocator, autograd and thread-pool warm-up, DDP's first buckets).
-        steps: timed steps.
-        width: hidden width of the MLP, or channels of the first convolution (doubled in the later ones).
-        features: input features of the MLP, or the side of the conv net's square RGB images.
+    ``width``: the MLP's hidden width or the first convolution's channels; ``features``: the MLP's inputs or the
+    side of the conv net's square RGB images.
     """
 
     name: str
@@ -49,19 +40,7 @@ class ModelSpec:
 
 @dataclasses.dataclass(frozen=True)
 class Mode:
-    """How long a run takes: model sizes, steps and repeats.
-
-    Attributes:
-        name: ``"smoke"``, ``"quick"`` or ``"full"``.
-        models: one spec per benchmark model.
-        ddp_repeats: repeats of the multi-process jobs (each job starts its processes anew).
-        ddp_rounds: within one job, how many times the variants of that job run in turn (``torch``, ``ddp``,
-            ``mgpu_ddp``, ``torch``, ``ddp``, ...); ``--isolated`` runs each variant as its own job instead.
-        local_repeats: repeats of every single-process variant (run in the benchmark's own process).
-        profile_steps: timed steps of the profiled run of ``mgpu_dp``, per model.
-        overhead_loops: calls per timed loop of the engine-overhead benchmark (``benchmarks/overhead.py``).
-        overhead_repeats: repeats of those loops, each variant of each case in turn.
-    """
+    """How long a run takes; ``ddp_rounds``: how often the variants of one multi-process job take turns."""
 
     name: str
     models: tuple[ModelSpec, ...]
@@ -73,155 +52,104 @@ class Mode:
     overhead_repeats: int
 
 
-def _modes(device: str) -> dict[str, Mode]:
-    # On a GPU the CPU-sized batches would leave the card idle, so each device gets a larger share of rows.
-    scale = 8 if device == "cuda" else 1
-    smoke = (
-        ModelSpec("mlp", batch=8, warmup=1, steps=3, width=32, features=16),
-        ModelSpec("conv", batch=4, warmup=1, steps=2, width=4, features=8),
-    )
-    quick = (
-        ModelSpec("mlp", batch=64 * scale, warmup=20, steps=200, width=256, features=64),
-        ModelSpec("conv", batch=32 * scale, warmup=3, steps=20, width=32, features=32),
-    )
-    full = (
-        ModelSpec("mlp", batch=64 * scale, warmup=50, steps=400, width=256, features=64),
-        ModelSpec("conv", batch=32 * scale, warmup=5, steps=40, width=32, features=32),
-    )
-    return {
-        "smoke": Mode(
-            "smoke",
-            smoke,
-            ddp_repeats=1,
-            ddp_rounds=1,
-            local_repeats=1,
-            profile_steps=2,
-            overhead_loops=2,
-            overhead_repeats=1,
-        ),
-        "quick": Mode(
-            "quick",
-            quick,
-            ddp_repeats=3,
-            ddp_rounds=3,
-            local_repeats=5,
-            profile_steps=40,
-            overhead_loops=20,
-            overhead_repeats=41,
-        ),
-        "full": Mode(
-            "full",
-            full,
-            ddp_repeats=5,
-            ddp_rounds=3,
-            local_repeats=9,
-            profile_steps=100,
-            overhead_loops=50,
-            overhead_repeats=81,
-        ),
-    }
+_MODES = {  # ddp_repeats, ddp_rounds, local_repeats, profile_steps, overhead_loops, overhead_repeats
+    "smoke": (1, 1, 1, 2, 2, 1),
+    "quick": (3, 3, 5, 40, 20, 41),
+    "full": (5, 3, 9, 100, 50, 81),
+}
 
 
 def mode_settings(name: str, device: str) -> Mode:
     """The settings of mode ``name`` (``smoke``, ``quick``, ``full``) on ``device`` (``cpu``, ``cuda``)."""
-    return _modes(device)[name]
+    scale = 8 if device == "cuda" else 1  # CPU-sized batches would leave a GPU idle
+    if name == "smoke":
+        models = (ModelSpec("mlp", 8, 1, 3, 32, 16), ModelSpec("conv", 4, 1, 2, 4, 8))
+    else:
+        full = name == "full"
+        models = (
+            ModelSpec("mlp", 64 * scale, 50 if full else 20, 400 if full else 200, width=256, features=64),
+            ModelSpec("conv", 32 * scale, 5 if full else 3, 40 if full else 20, width=32, features=32),
+        )
+    return Mode(name, models, *_MODES[name])
 
 
-def spec_of(mode: Mode, model: str) -> ModelSpec:
-    """The spec of ``model`` in ``mode``."""
-    return next(spec for spec in mode.models if spec.name == model)
+@contextlib.contextmanager
+def intra_op_threads(device: str, count: int = 1) -> Iterator[None]:
+    """On the CPU, run the block with ``count`` intra-op threads; the number is restored after it."""
+    previous = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def build_net(spec: ModelSpec) -> nn.Module:
     """The bare ``nn.Module`` of ``spec``, with weights from a fixed seed (no BatchNorm: no buffers to sync)."""
-    generator_state = torch.random.get_rng_state()
+    state = torch.random.get_rng_state()
     torch.manual_seed(0)
+    w = spec.width
     try:
         if spec.name == "mlp":
-            return nn.Sequential(
-                nn.Linear(spec.features, spec.width),
-                nn.ReLU(),
-                nn.Linear(spec.width, spec.width),
-                nn.ReLU(),
-                nn.Linear(spec.width, CLASSES),
-            )
-        width = spec.width
+            return nn.Sequential(nn.Linear(spec.features, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU(),
+                                 nn.Linear(w, CLASSES))  # fmt: skip
         return nn.Sequential(
-            nn.Conv2d(3, width, 3, padding=1),
-            nn.ReLU(),
-            nn.Conv2d(width, 2 * width, 3, stride=2, padding=1),
-            nn.ReLU(),
-            nn.Conv2d(2 * width, 2 * width, 3, stride=2, padding=1),
-            nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1),
-            nn.Flatten(),
-            nn.Linear(2 * width, CLASSES),
-        )
+            nn.Conv2d(3, w, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(w, 2 * w, 3, stride=2, padding=1), nn.ReLU(),
+            nn.Conv2d(2 * w, 2 * w, 3, stride=2, padding=1), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * w, CLASSES),
+        )  # fmt: skip
     finally:
-        torch.random.set_rng_state(generator_state)
+        torch.random.set_rng_state(state)
 
 
-def dataset(spec: ModelSpec, rows: int, seed: int = 0) -> TensorDataset:
-    """``rows`` synthetic samples and class labels for ``spec``, the same on every process for a given seed."""
-    generator = torch.Generator().manual_seed(seed)
-    if spec.name == "mlp":
-        x = torch.randn(rows, spec.features, generator=generator)
-    else:
-        x = torch.randn(rows, 3, spec.features, spec.features, generator=generator)
-    y = torch.randint(0, CLASSES, (rows,), generator=generator)
-    return TensorDataset(x, y)
+def dataset(spec: ModelSpec, rows: int) -> TensorDataset:
+    """``rows`` seeded samples and labels for ``spec``, the same in every process."""
+    generator = torch.Generator().manual_seed(0)
+    shape = (spec.features,) if spec.name == "mlp" else (3, spec.features, spec.features)
+    x = torch.randn(rows, *shape, generator=generator)
+    return TensorDataset(x, torch.randint(0, CLASSES, (rows,), generator=generator))
 
 
 def optimizer(parameters: Any) -> torch.optim.Optimizer:
     """The optimizer every variant uses."""
-    return torch.optim.SGD(parameters, lr=LEARNING_RATE, momentum=MOMENTUM)
+    return torch.optim.SGD(parameters, lr=0.01, momentum=0.9)
 
 
 def loss_of(net: nn.Module, batch: Any) -> torch.Tensor:
-    """The loss every variant computes: cross entropy of ``net`` on one (chunk of a) batch."""
+    """Cross entropy of ``net`` on one (chunk of a) batch."""
     x, y = batch
     return nn.functional.cross_entropy(net(x), y)
 
 
-class ReplicaClock:
-    """Records the wall time of every call of the step body, from whichever thread (replica) runs it.
+def typical_step(durations: list[float], cuda: bool) -> float:
+    """The median step on the CPU (robust to a neighbour's bursts); on CUDA the mean, as the marks only see launches."""
+    return statistics.fmean(durations) if cuda else statistics.median(durations)
 
-    Replicas made by the ``mgpu_dp`` engine are shallow copies of the LightningModule, so they share this object
-    with the original and their records land in one list. ``list.append`` is atomic under the GIL.
-    """
+
+class ReplicaClock:
+    """Wall time of every call of the step body, from whichever replica (a shallow copy sharing this clock) runs it."""
 
     def __init__(self) -> None:
         self.records: list[tuple[int, float, float]] = []
         self.step = 0
 
-    def record(self, batch_idx: int, started: float) -> None:
-        """Record that the step body for ``batch_idx`` started at ``started`` and ends now."""
-        self.records.append((batch_idx, started, time.perf_counter()))
+    def record(self, step: int, started: float) -> None:
+        """The step body of ``step`` started at ``started`` and ends now."""
+        self.records.append((step, started, time.perf_counter()))
 
     def critical_path(self, first: int, last: int) -> list[float]:
-        """Per step from ``first`` to ``last``, the seconds of the slowest replica's step body (the critical path)."""
+        """Per step from ``first`` to ``last``, the seconds of the slowest replica's step body."""
         slowest = dict.fromkeys(range(first, last + 1), 0.0)
-        for batch_idx, started, ended in self.records:
-            if first <= batch_idx <= last:
-                slowest[batch_idx] = max(slowest[batch_idx], ended - started)
+        for step, started, ended in self.records:
+            if first <= step <= last:
+                slowest[step] = max(slowest[step], ended - started)
         return list(slowest.values())
 
 
-def typical_step(durations: list[float], cuda: bool) -> float:
-    """The step time a run reports: on the CPU the median step, robust to a busy neighbour's bursts of load.
-
-    On CUDA the per-step marks see only the CPU's side of asynchronous work, so there it is the mean, which equals
-    the synchronized wall time of all timed steps divided by their number.
-    """
-    return statistics.fmean(durations) if cuda else statistics.median(durations)
-
-
 class Clocked(nn.Module):
-    """Wraps a bare net for the hand-written loops: records each forward on ``clock`` under ``clock.step``.
-
-    The engines replicate this module, so in ``lightning_mgpu.engine.MGPUDataParallel`` and ``torch.nn.DataParallel``
-    every replica's forward is timed inside its own thread, as ``BenchModule.training_step`` is under ``mgpu_dp``.
-    """
+    """A bare net whose forward is recorded on ``clock`` under ``clock.step``, in each replica's own thread."""
 
     def __init__(self, net: nn.Module, clock: ReplicaClock) -> None:
         super().__init__()

@@ -1,4 +1,4 @@
-"""The benchmark LightningModules and the callback that times the training steps of a Lightning run."""
+"""The benchmark LightningModules, and the callback that times the training steps of a Lightning run."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from lightning_mgpu.engine import MGPUDataParallel
 
 
 class BenchModule(L.LightningModule):
-    """The benchmark model as a LightningModule; it logs nothing, so only the loop and the strategy differ."""
+    """The benchmark model; it logs nothing, so only the loop and the strategy differ between variants."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -40,30 +40,22 @@ class BenchModule(L.LightningModule):
 
 
 class MixinBenchModule(MGPUMixin, BenchModule):
-    """The same model with ``MGPUMixin`` first among its bases, as the mixin's docstring asks."""
+    """The same model with ``MGPUMixin`` first among its bases."""
 
 
 class StepTimer(L.Callback):
-    """Times the steps ``warmup`` to ``warmup + steps - 1`` of a fit, each on its own, and the engine's parts.
+    """Times steps ``warmup`` to ``warmup + steps - 1``: each from its ``on_train_batch_start`` to the next's.
 
-    A step runs from ``on_train_batch_start`` (its batch already fetched) to the next step's start; the last one
-    ends at its ``on_train_batch_end`` (after its optimizer step). On CUDA the first start and the last end
-    synchronize the device. Under ``mgpu_dp`` the timer also times the engine's phases (``PhaseTimer``), snapshots
-    them at every mark and times every call of the strategy's ``training_step`` (the replicas' step,
-    gather and loss reduction, with the replica threads' work inside).
+    The last step ends at its ``on_train_batch_end``; on CUDA the first and last marks synchronize. Under ``mgpu_dp``
+    it also times the engine's phases (``PhaseTimer``) and every call of the strategy's ``training_step``.
     """
 
     def __init__(self, warmup: int, steps: int) -> None:
-        self.first = warmup
-        self.last = warmup + steps - 1
-        self.steps = steps
-        self.marks: list[float] = []
-        self.cpu_marks: list[float] = []
-        self.phase_marks: list[dict[str, float]] = []
+        self.first, self.last, self.steps = warmup, warmup + steps - 1, steps
+        self.marks: list[tuple[float, float, dict[str, float]]] = []
         self.strategy_step_seconds: list[float] = []
-        self._timing = False
-        self._cuda = False
         self._phases: PhaseTimer | None = None
+        self._cuda = False
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -84,51 +76,33 @@ class StepTimer(L.Callback):
         self.on_train_end(trainer, pl_module)
 
     @override
-    def on_train_batch_start(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        if self.first <= batch_idx <= self.last:
-            if batch_idx == self.first:
-                self._synchronize()
-                self._timing = True
-            self._mark(trainer)
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        if self.first <= idx <= self.last:
+            self._mark(synchronize=idx == self.first)
 
     @override
     def on_train_batch_end(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, idx: int
     ) -> None:
-        if batch_idx == self.last:
-            self._synchronize()
-            self._mark(trainer)
-            self._timing = False
+        if idx == self.last:
+            self._mark(synchronize=True)
 
-    def durations(self) -> list[float]:
-        """Seconds of each timed step."""
+    def durations(self, column: int = 0) -> list[float]:
+        """Wall seconds of each timed step; ``column=1``: the main thread's CPU seconds (``time.thread_time``)."""
         if len(self.marks) != self.steps + 1:
             raise RuntimeError("StepTimer: the run ended before the last timed step; raise max_steps or the data.")
-        return [end - start for start, end in itertools.pairwise(self.marks)]
-
-    def cpu_durations(self) -> list[float]:
-        """CPU seconds of the main thread in each timed step: the work a step costs, whatever else the machine runs.
-
-        Only meaningful where the main thread does all the work (one intra-op thread, no replica threads).
-        """
-        self.durations()
-        return [end - start for start, end in itertools.pairwise(self.cpu_marks)]
+        return [end[column] - start[column] for start, end in itertools.pairwise(self.marks)]
 
     def phase_durations(self) -> dict[str, list[float]]:
         """Seconds per engine phase in each timed step (empty outside ``mgpu_dp``)."""
-        if not self.phase_marks or not self.phase_marks[0]:
-            return {}
-        return {
-            name: [end[name] - start[name] for start, end in itertools.pairwise(self.phase_marks)]
-            for name in self.phase_marks[0]
-        }
+        return {name: [end[2][name] - start[2][name] for start, end in itertools.pairwise(self.marks)]
+                for name in self.marks[0][2]}  # fmt: skip
 
-    def _mark(self, trainer: L.Trainer) -> None:
-        self.phase_marks.append({} if self._phases is None else dict(self._phases.seconds))
-        self.cpu_marks.append(time.thread_time())
-        self.marks.append(time.perf_counter())
+    def _mark(self, synchronize: bool) -> None:
+        if synchronize and self._cuda:
+            torch.cuda.synchronize()
+        phases = {} if self._phases is None else dict(self._phases.seconds)
+        self.marks.append((time.perf_counter(), time.thread_time(), phases))
 
     def _timed(self, step: Callable[..., Any]) -> Callable[..., Any]:
         def timed_step(*args: Any, **kwargs: Any) -> Any:
@@ -136,49 +110,25 @@ class StepTimer(L.Callback):
             try:
                 return step(*args, **kwargs)
             finally:
-                if self._timing:
+                if self.marks and len(self.marks) <= self.steps:
                     self.strategy_step_seconds.append(time.perf_counter() - started)
 
         return timed_step
 
-    def _synchronize(self) -> None:
-        if self._cuda:
-            torch.cuda.synchronize()
-
 
 def quiet_lightning() -> None:
-    """Silence Lightning's per-run banners and the warnings that every benchmark run would repeat."""
+    """Silence Lightning's per-run banners and the warnings every benchmark run would repeat."""
     for name in ("lightning.pytorch", "lightning.fabric", "lightning_fabric", "pytorch_lightning"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-    warnings.filterwarnings("ignore", message=".*GPU available but not used.*")
-    warnings.filterwarnings("ignore", message=".*smaller than the logging interval.*")
-    warnings.filterwarnings("ignore", message=".*LeafSpec.*")
-    warnings.filterwarnings("ignore", message=".*static graph.*")
+    for message in ("does not have many workers", "GPU available but not used", "smaller than the logging interval",
+                    "LeafSpec", "static graph"):  # fmt: skip
+        warnings.filterwarnings("ignore", message=f".*{message}.*")
 
 
-def trainer_for(
-    timer: L.Callback,
-    steps: int,
-    strategy: Any,
-    devices: Any,
-    accelerator: str,
-    extra_callbacks: list[L.Callback] | None = None,
-) -> L.Trainer:
+def trainer_for(callbacks: list[L.Callback], steps: int, strategy: Any, devices: Any, accelerator: str) -> L.Trainer:
     """A Trainer that runs exactly ``steps`` training steps and nothing else (no logger, checkpoints, validation)."""
     return L.Trainer(
-        accelerator=accelerator,
-        devices=devices,
-        strategy=strategy,
-        max_epochs=1,
-        max_steps=steps,
-        limit_train_batches=steps,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[timer, *(extra_callbacks or [])],
-        default_root_dir=None,
-    )
+        accelerator=accelerator, devices=devices, strategy=strategy, max_epochs=1, max_steps=steps,
+        limit_train_batches=steps, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+    )  # fmt: skip

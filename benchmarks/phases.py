@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 from lightning_mgpu.engine import data_parallel
 from lightning_mgpu.engine.data_parallel import MGPUDataParallel
 
 PHASES = ("scatter", "replicate", "parallel_apply", "gather")
+_SCATTERS = ("scatter_to_devices", "scatter_inputs")
+"""The scatter functions ``data_parallel`` calls (``run``'s batches, ``forward``'s inputs), where it has them."""
 
 
 class _Timed:
@@ -32,34 +33,37 @@ class _Timed:
 class PhaseTimer:
     """Sums into ``seconds`` the time of each phase of ``wrapper``'s calls while started (or inside ``with``).
 
-    ``replicate`` is the replica cache's call alone, ``parallel_apply`` the hand-off to the replica threads and
-    their work; preparing replicas and keeping their buffers fall outside the four phases. ``scatter`` is patched
-    on the engine's module, so it counts every wrapper's scatter while the timer runs.
+    ``replicate`` is the replica cache's call alone and ``parallel_apply`` the replica threads' run; preparing the
+    replicas and keeping their buffers fall outside the phases. Scatter is patched on the engine's module, so while
+    the timer runs it also counts other wrappers' scatters.
     """
 
     def __init__(self, wrapper: MGPUDataParallel) -> None:
         self.wrapper = wrapper
         self.seconds = dict.fromkeys(PHASES, 0.0)
-        self._saved: tuple[Any, Any, Callable[..., Any]] | None = None
+        self._saved: tuple[Any, Any, dict[str, Any]] | None = None
 
     def start(self) -> PhaseTimer:
         """Put the timed parts in place."""
-        # The benchmarks may reach into the engine's private parts; nothing in lightning_mgpu needs to.
-        wrapper = self.wrapper
-        self._saved = (wrapper._replicate, wrapper._apply_in_threads, data_parallel.scatter_to_devices)
-        wrapper._replicate = _Timed(wrapper._replicate, self.seconds, "replicate")  # type: ignore[assignment]
-        wrapper._apply_in_threads = _Timed(wrapper._apply_in_threads, self.seconds, "parallel_apply")  # type: ignore[assignment]
-        wrapper.gather = _Timed(wrapper.gather, self.seconds, "gather")  # type: ignore[method-assign]
-        data_parallel.scatter_to_devices = _Timed(self._saved[2], self.seconds, "scatter")  # type: ignore[assignment]
+        # Benchmarks may wrap the engine's private parts; nothing in lightning_mgpu needs to.
+        wrapper, seconds = self.wrapper, self.seconds
+        scatters = {name: getattr(data_parallel, name) for name in _SCATTERS if hasattr(data_parallel, name)}
+        self._saved = (wrapper._replicate, wrapper._apply_in_threads, scatters)
+        for name, function in scatters.items():
+            setattr(data_parallel, name, _Timed(function, seconds, "scatter"))
+        wrapper._replicate = _Timed(wrapper._replicate, seconds, "replicate")  # type: ignore[assignment]
+        wrapper._apply_in_threads = _Timed(wrapper._apply_in_threads, seconds, "parallel_apply")  # type: ignore[assignment]
+        wrapper.gather = _Timed(wrapper.gather, seconds, "gather")  # type: ignore[method-assign]
         return self
 
     def stop(self) -> None:
         """Restore the engine's own parts; stopping twice does nothing."""
         if self._saved is None:
             return
-        wrapper = self.wrapper
-        wrapper._replicate, wrapper._apply_in_threads, data_parallel.scatter_to_devices = self._saved
-        del wrapper.gather
+        self.wrapper._replicate, self.wrapper._apply_in_threads, scatters = self._saved
+        for name, function in scatters.items():
+            setattr(data_parallel, name, function)
+        del self.wrapper.gather
         self._saved = None
 
     def __enter__(self) -> PhaseTimer:

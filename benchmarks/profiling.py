@@ -1,16 +1,10 @@
-"""Profiles of the timed training steps: ``mgpu_dp`` under ``torch.profiler``, ``mgpu_ddp`` under cProfile.
+"""Profiles of the timed steps: ``mgpu_dp`` under ``torch.profiler``, ``mgpu_ddp`` under cProfile.
 
-``mgpu_dp`` runs its replicas in the engine's own threads. ``torch.profiler`` records every thread when asked to
-(``profile_all_threads``, in torch's experimental config), so the replica threads' work lands in one profile without
-any per-thread profiler of our own; on a torch without that option only the calling thread is recorded, and the
-summary says so. The engine carries no profiler calls of its own (a ``record_function`` costs about a microsecond
-even with no profiler running): for the profiled fit only, ``labelled`` wraps the engine's and the strategy's
-functions in ``record_function`` labels, and puts them back afterwards. The profiler slows every torch call down a
-little, so shares overstate the engine somewhat; the unprofiled phase split in ``results.json`` gives the real
-proportions.
-
-``mgpu_ddp`` does all its work on the main thread; ``ProfileSteps`` profiles that thread with cProfile (one profiler
-at a time, which Python 3.12's cProfile requires).
+``mgpu_dp`` runs its replicas in the engine's threads, which ``torch.profiler`` records where torch offers
+``profile_all_threads`` (elsewhere the summary says only the calling thread was). The engine carries no profiler
+calls: for the profiled fit only, ``labelled`` wraps its parts in ``record_function`` labels and puts them back
+after. ``mgpu_ddp`` does all its work on the main thread, which one cProfile profiles (Python 3.12 allows one
+profiler at a time).
 """
 
 from __future__ import annotations
@@ -18,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import cProfile
 import functools
+import importlib
 import os
 import pstats
 from collections.abc import Callable, Iterator
@@ -33,12 +28,6 @@ from typing_extensions import override
 from benchmarks.models import ModelSpec, dataset
 from benchmarks.modules import BenchModule, StepTimer, quiet_lightning, trainer_for
 
-PACKAGE_MARK = f"{os.sep}lightning_mgpu{os.sep}"
-KEY_FUNCTIONS = (
-    ("strategies/ddp.py", "training_step"),
-    ("step/health.py", "check_loss"),
-    ("resume.py", "__iter__"),
-)
 LABELS = (
     ("lightning_mgpu.strategies.dp", "MGPUDPStrategy._parallel_step", "mgpu::strategy_step"),
     ("lightning_mgpu.engine.data_parallel", "scatter_to_devices", "mgpu::scatter"),
@@ -53,18 +42,16 @@ LABELS = (
     ("lightning_mgpu.engine.data_parallel", "MGPUDataParallel.gather", "mgpu::gather"),
     ("lightning_mgpu.step.replicas", "_reduce_loss", "mgpu::reduce_loss"),
 )
-"""(module, attribute path, label): what ``labelled`` wraps for a profiled ``mgpu_dp`` run, in step order."""
-Function = tuple[str, int, str]
+"""(module, attribute path, label), in step order."""
+PACKAGE_MARK = f"{os.sep}lightning_mgpu{os.sep}"
 
 
 @contextlib.contextmanager
-def labelled(labels: tuple[tuple[str, str, str], ...] = LABELS) -> Iterator[None]:
-    """Wrap each named function in a ``record_function`` label while the block runs; put the originals back after."""
-    import importlib
-
+def labelled() -> Iterator[None]:
+    """Wrap each function of ``LABELS`` in its ``record_function`` label while the block runs."""
     saved: list[tuple[Any, str, Any]] = []
     try:
-        for module_name, path, label in labels:
+        for module_name, path, label in LABELS:
             owner: Any = importlib.import_module(module_name)
             *parents, name = path.split(".")
             for parent in parents:
@@ -87,177 +74,105 @@ def _with_label(function: Callable[..., Any], label: str) -> Callable[..., Any]:
     return labelled_call
 
 
-class TorchProfileSteps(L.Callback):
-    """Runs ``torch.profiler`` over the steps that ``timer`` times, every thread included where torch can."""
+class _Window(L.Callback):
+    """Calls ``start`` before the first step ``timer`` times and ``stop`` after its last."""
 
-    def __init__(self, timer: StepTimer) -> None:
-        self.timer = timer
-        self.all_threads = True
-        try:
-            config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
-        except (AttributeError, TypeError):  # a torch without the option records the calling thread only
-            config, self.all_threads = None, False
-        self.profiler = torch.profiler.profile(activities=[ProfilerActivity.CPU], experimental_config=config)
+    def __init__(self, timer: StepTimer, start: Callable[[], Any], stop: Callable[[], Any]) -> None:
+        self.timer, self.start, self.stop = timer, start, stop
 
     @override
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if batch_idx == self.timer.first:
-            self.profiler.start()
+            self.start()
 
     @override
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if batch_idx == self.timer.last:
-            self.profiler.stop()
+            self.stop()
 
 
-def profile_mgpu_dp(
-    spec: ModelSpec, devices: list[torch.device], out: Path | None, top: int = 12, trace: bool = False
-) -> dict[str, Any]:
-    """Profile ``spec.steps`` steps of ``mgpu_dp`` on ``devices``; with ``trace``, write a Chrome trace under ``out``.
+def _row(name: str, seconds: float, calls: int, wall: float, steps: int) -> dict[str, Any]:
+    return {"name": name, "calls_per_step": calls / steps, "us_per_step": seconds / steps * 1e6,
+            "share_of_step": seconds / wall}  # fmt: skip
 
-    Returns per label (see ``LABELS``) its calls and microseconds per step and its share of the profiled steps'
-    wall time, and the operators with the most self time (labels included).
+
+def profile_mgpu_dp(spec: ModelSpec, devices: list[torch.device], out: Path, trace: bool) -> dict[str, Any]:
+    """Profile ``spec.steps`` steps of ``mgpu_dp``: per label its time, and the most self time.
+
+    With ``trace``, also writes ``out/profile-<model>.trace.json`` (for ``chrome://tracing`` or Perfetto).
     """
     quiet_lightning()
-    module = BenchModule(spec)
+    try:
+        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except (AttributeError, TypeError):  # a torch without the option records the calling thread only
+        config = None
+    profiler = torch.profiler.profile(activities=[ProfilerActivity.CPU], experimental_config=config)
     timer = StepTimer(spec.warmup, spec.steps)
-    profiler = TorchProfileSteps(timer)
+    steps, batch = spec.warmup + spec.steps, spec.batch * len(devices)
+    window = _Window(timer, profiler.start, profiler.stop)
     accelerator = "gpu" if devices[0].type == "cuda" else "cpu"
-    steps = spec.warmup + spec.steps
-    trainer = trainer_for(timer, steps, "mgpu_dp", len(devices), accelerator, extra_callbacks=[profiler])
-    batch = spec.batch * len(devices)
+    trainer = trainer_for([timer, window], steps, "mgpu_dp", len(devices), accelerator)
     with labelled():
-        trainer.fit(module, DataLoader(dataset(spec, batch * steps), batch_size=batch, shuffle=False))
-    if trace and out is not None:
-        profiler.profiler.export_chrome_trace(str(out / f"profile-{spec.name}.trace.json"))
-    averages = {event.key: event for event in profiler.profiler.key_averages()}
-    wall_us = sum(timer.durations()) * 1e6
-
-    def row(key: str) -> dict[str, Any]:
-        event = averages.get(key)
-        total = 0.0 if event is None else event.cpu_time_total
-        return {
-            "label": key,
-            "calls_per_step": 0.0 if event is None else event.count / spec.steps,
-            "us_per_step": total / spec.steps,
-            "share_of_step": total / wall_us,
-        }
-
-    by_self = sorted(averages.values(), key=lambda event: event.self_cpu_time_total, reverse=True)[:top]
+        trainer.fit(BenchModule(spec), DataLoader(dataset(spec, batch * steps), batch_size=batch, shuffle=False))
+    if trace:
+        profiler.export_chrome_trace(str(out / f"profile-{spec.name}.trace.json"))
+    events = {event.key: event for event in profiler.key_averages()}
+    wall = sum(timer.durations())
+    by_self = sorted(events.values(), key=lambda event: event.self_cpu_time_total, reverse=True)[:12]
     return {
-        "profiler": "torch.profiler",
-        "profiled_step_ms": wall_us / spec.steps / 1e3,
+        "profiled_step_ms": wall / spec.steps * 1e3,
         "steps": spec.steps,
-        "replica_threads_profiled": profiler.all_threads,
-        "labels": [row(label) for _, _, label in LABELS],
-        "self_time": [
-            {
-                "label": event.key,
-                "calls_per_step": event.count / spec.steps,
-                "us_per_step": event.self_cpu_time_total / spec.steps,
-                "share_of_step": event.self_cpu_time_total / wall_us,
-            }
-            for event in by_self
-        ],
+        "replica_threads_profiled": config is not None,
+        "labels": [
+            _row(
+                label,
+                events[label].cpu_time_total * 1e-6 if label in events else 0.0,
+                events[label].count if label in events else 0,
+                wall,
+                spec.steps,
+            )
+            for _, _, label in LABELS
+        ],  # fmt: skip
+        "self_time": [_row(e.key, e.self_cpu_time_total * 1e-6, e.count, wall, spec.steps) for e in by_self],
     }
 
 
-class ProfileSteps(L.Callback):
-    """Profiles the main thread with cProfile over the steps that ``timer`` times (``mgpu_ddp``'s benchmark).
-
-    Put it after the ``StepTimer`` in the callbacks, so the timer's own work stays out of the profile.
-    """
+class CProfileSteps(_Window):
+    """cProfile of the main thread over the steps ``timer`` times; put it after the ``StepTimer`` in the callbacks."""
 
     def __init__(self, timer: StepTimer) -> None:
-        self.timer = timer
-        self.main = cProfile.Profile()
+        self.profile = cProfile.Profile()
+        super().__init__(timer, self.profile.enable, self.profile.disable)
 
-    @override
-    def on_train_batch_start(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        if batch_idx == self.timer.first:
-            self.main.enable()
-
-    @override
-    def on_train_batch_end(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if batch_idx == self.timer.last:
-            self.main.disable()
-
-    def stats(self) -> pstats.Stats:
-        """The statistics of the profiled steps."""
-        return pstats.Stats(self.main)
-
-
-def summarize(raw: dict[Function, Any], wall: float, steps: int, worker_threads: int, top: int) -> dict[str, Any]:
-    """The package's functions by self time, the outside functions it calls by their time, and key cumulatives."""
-
-    def row(function: Function, seconds: float, calls: int) -> dict[str, Any]:
+    def summary(self, wall: float, steps: int, top: int = 10) -> dict[str, Any]:
+        """The package's functions by self time, and the outside functions it calls by their time in those calls."""
+        raw: dict[tuple[str, int, str], Any] = pstats.Stats(self.profile).stats  # type: ignore[attr-defined]
+        package = sorted(((f, v) for f, v in raw.items() if PACKAGE_MARK in f[0]), key=lambda i: i[1][2], reverse=True)
+        called = []  # (function, seconds, calls) spent in calls made directly from package code
+        for function, (*_, callers) in raw.items():
+            edges = [edge for caller, edge in callers.items() if PACKAGE_MARK in caller[0]]
+            if PACKAGE_MARK not in function[0] and edges:
+                called.append((function, sum(edge[2] for edge in edges), sum(edge[1] for edge in edges)))
+        called.sort(key=lambda item: item[1], reverse=True)
         return {
-            "function": _name(function),
-            "calls_per_step": calls / steps,
-            "us_per_step": seconds / steps * 1e6,
-            "share_of_step": seconds / wall,
+            "profiled_step_ms": wall / steps * 1e3,
+            "steps": steps,
+            "package_self_share": sum(v[2] for _, v in package) / wall,
+            "called_from_package_share": sum(seconds for _, seconds, _ in called) / wall,
+            "package_self_time": [_row(_name(f), v[2], v[1], wall, steps) for f, v in package[:top]],
+            "called_from_package": [_row(_name(f), s, c, wall, steps) for f, s, c in called[:top]],
         }
 
-    package = [(f, v) for f, v in raw.items() if _in_package(f)]
-    self_time = sorted(package, key=lambda item: item[1][2], reverse=True)
-    # Time of functions outside the package (torch, builtins) spent in calls made directly from package code.
-    called: list[tuple[Function, float, int]] = []
-    for function, (_, _, _, _, callers) in raw.items():
-        if _in_package(function) or _is_wait(function):
-            continue
-        seconds = sum(edge[2] for caller, edge in callers.items() if _in_package(caller))
-        calls = sum(edge[1] for caller, edge in callers.items() if _in_package(caller))
-        if seconds:
-            called.append((function, seconds, calls))
-    called.sort(key=lambda item: item[1], reverse=True)
-    cumulative = []
-    for path, name in KEY_FUNCTIONS:
-        for function, value in package:
-            if function[2] == name and function[0].replace(os.sep, "/").endswith(path):
-                cumulative.append(row(function, value[3], value[1]))
-    overall = sorted(((f, v) for f, v in raw.items() if not _is_wait(f)), key=lambda item: item[1][2], reverse=True)
-    return {
-        "profiled_step_ms": wall / steps * 1e3,
-        "steps": steps,
-        "worker_threads_profiled": worker_threads,
-        "package_self_time": [row(f, v[2], v[1]) for f, v in self_time[:top]],
-        "package_self_time_total_share": sum(v[2] for _, v in package) / wall,
-        "called_from_package": [row(f, seconds, calls) for f, seconds, calls in called[:top]],
-        "called_from_package_total_share": sum(seconds for _, seconds, _ in called) / wall,
-        "cumulative": cumulative,
-        "overall_self_time": [row(f, v[2], v[1]) for f, v in overall[:top]],
-    }
 
-
-def _in_package(function: Function) -> bool:
-    return PACKAGE_MARK in function[0]
-
-
-def _is_wait(function: Function) -> bool:
-    # Blocking waits (the main thread waiting for a lock or a queue) are not work.
-    name = function[2]
-    return any(
-        mark in name
-        for mark in ("method 'get' of '_queue.SimpleQueue'", "method 'acquire' of '_thread.lock'", "time.sleep")
-    )
-
-
-def _name(function: Function) -> str:
+def _name(function: tuple[str, int, str]) -> str:
     filename, line, name = function
     if filename == "~":
         return name
     marker = filename.rfind(PACKAGE_MARK)
     if marker >= 0:
-        short = "lightning_mgpu/" + filename[marker + len(PACKAGE_MARK) :].replace(os.sep, "/")
-    else:
-        parts = filename.replace(os.sep, "/").split("/")
-        short = "/".join(parts[-3:]) if "site-packages" in filename else "/".join(parts[-2:])
-    return f"{short}:{line}({name})"
+        filename = "lightning_mgpu" + filename[marker + len(PACKAGE_MARK) - 1 :]
+    return f"{'/'.join(filename.replace(os.sep, '/').split('/')[-3:])}:{line}({name})"

@@ -60,7 +60,7 @@ def test_smoke_mode_writes_every_row(tmp_path: Path) -> None:
     assert {entry["variant"] for entry in results["phases"]} == {"mgpu_dp", "raw_engine"}
     assert set(results["profile_dp"]) == set(results["profile_ddp"]) == {"mlp", "conv"}
     for profile in results["profile_dp"].values():
-        labels = {entry["label"]: entry for entry in profile["labels"]}
+        labels = {entry["name"]: entry for entry in profile["labels"]}
         assert labels["mgpu::parallel_apply"]["calls_per_step"] > 0
         if profile["replica_threads_profiled"]:
             assert labels["mgpu::replica_thread"]["calls_per_step"] > 0, "the replica threads are in the profile"
@@ -79,12 +79,11 @@ def test_smoke_mode_writes_every_row(tmp_path: Path) -> None:
     assert "| id | what | median | min | max | target | met |" in table
     assert all(f"| {row_id} |" in table for row_id in expected | overhead)
     assert "## Engine overhead per call" in table
-    assert (tmp_path / "results.png").exists() or results["plot"].startswith("not drawn")
 
 
 def test_the_phase_timer_times_every_phase_from_outside_and_puts_the_engine_back() -> None:
     wrapper = MGPUDataParallel(nn.Linear(3, 2), [torch.device("cpu")] * 2)
-    originals = (wrapper._replicate, wrapper._apply_in_threads, data_parallel.scatter_to_devices)
+    originals = (wrapper._replicate, wrapper._apply_in_threads, dict(vars(data_parallel)))
     x = torch.randn(6, 3)
     try:
         expected = wrapper(x)
@@ -99,5 +98,5 @@ def test_the_phase_timer_times_every_phase_from_outside_and_puts_the_engine_back
     assert all(seconds > 0 for seconds in timer.seconds.values()), timer.seconds
     torch.testing.assert_close(first, expected, rtol=0, atol=0)
     torch.testing.assert_close(after, expected, rtol=0, atol=0)
-    assert (wrapper._replicate, wrapper._apply_in_threads, data_parallel.scatter_to_devices) == originals
+    assert (wrapper._replicate, wrapper._apply_in_threads, dict(vars(data_parallel))) == originals
     assert "gather" not in vars(wrapper), "the class's gather is back"
