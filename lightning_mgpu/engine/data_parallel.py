@@ -154,7 +154,7 @@ class MGPUDataParallel(nn.Module):
         root = self.devices[0]
         if not all_on(modules_of(module), root):  # type: ignore[arg-type]
             self._check_module_device()
-        if kwargs or not all(type(value) is torch.Tensor and value.device == root for value in inputs):
+        if kwargs or not _tensors_on(inputs, root):
             inputs, kwargs = move_to((inputs, kwargs), root)
         return module(*inputs, **kwargs)  # type: ignore[misc]
 
@@ -324,6 +324,15 @@ def _output_device(output_device: DeviceLike) -> torch.device:
     if isinstance(output_device, int) and output_device == -1:
         return torch.device("cpu")
     return _device(output_device, [output_device])
+
+
+def _tensors_on(values: tuple[Any, ...], device: torch.device) -> bool:
+    """Whether every value is a plain tensor on ``device`` exactly, so a call on one device can skip ``move_to``."""
+    cpu = device.type == "cpu"
+    for value in values:
+        if type(value) is not torch.Tensor or (not value.is_cpu if cpu else value.device != device):
+            return False
+    return True
 
 
 def _same_device(actual: torch.device, expected: torch.device) -> bool:
