@@ -23,7 +23,9 @@ Lightning and torchmetrics:
     in ``strategies/ddp.py``, covered by the Trainer-building tests of ``tests/test_launch_mismatch.py``). Exact resume
     needs what Lightning does not checkpoint (the epoch's logged aggregates, the position in the epoch) and what
     torchmetrics keeps out of the state dict (a metric's update count), and a faithful copy of a DataLoader with
-    another sampler, which only Lightning's private ``_update_dataloader`` builds.
+    another sampler, which only Lightning's private ``_update_dataloader`` builds. ``MGPUDDPStrategy(uneven_batches=
+    True)`` weights logged values by the real rows of each rank's batch, which Lightning reads from its private result
+    collection, and keeps the padding row out of epoch sums, maxima and minima kept there.
 """
 
 from __future__ import annotations
@@ -292,3 +294,62 @@ def _detached(value: Any) -> Any:
     if isinstance(value, list):
         return [item.detach().cpu().clone() for item in value]
     return value.detach().cpu().clone()
+
+
+def converts_batchnorm_to_sync(strategy: Any) -> bool:
+    """Whether the strategy will turn the model's BatchNorm layers into ``SyncBatchNorm`` when it sets up.
+
+    ``Trainer(sync_batchnorm=True)`` hands the strategy a layer converter that it keeps in the private ``_layer_sync``
+    and applies while setting up, after the hooks that could still refuse the combination have run.
+    """
+    return getattr(strategy, "_layer_sync", None) is not None
+
+
+def _training_results(trainer: Any) -> Any:
+    return trainer.fit_loop.epoch_loop._results
+
+
+def training_batch(trainer: Any) -> Any:
+    """The batch whose ``self.log`` calls the training loop is recording now; ``None`` between batches.
+
+    Lightning's private result collection holds it from just before the ``on_train_batch_start`` hooks until just
+    after the ``on_train_batch_end`` hooks, which is the span in which logged values belong to that batch.
+    """
+    return _training_results(trainer).batch
+
+
+def set_logged_batch_size(trainer: Any, rows: int) -> None:
+    """Make ``self.log`` calls without ``batch_size`` weight this training batch's values by ``rows``.
+
+    Lightning takes an epoch mean as the synced sum of ``value * batch_size`` over the synced sum of batch sizes; when
+    ``self.log`` gets no ``batch_size`` it reads the size from its private result collection (and measures the batch
+    only when that is unset). A rank whose batch is a padding row sets 0, so that row adds nothing to epoch means.
+    """
+    _training_results(trainer).batch_size = rows
+
+
+def epoch_aggregates(trainer: Any) -> dict[str, torch.Tensor]:
+    """The running epoch sums, maxima and minima of the values logged in training so far, by key.
+
+    Means are weighted by ``set_logged_batch_size`` instead; these other reductions take every logged value as it is,
+    so a batch that must not count is undone by putting them back with ``restore_epoch_aggregates``.
+    """
+    return {
+        key: metric.value.detach().clone()
+        for key, metric in _training_results(trainer).items()
+        if metric.is_tensor and metric.meta.on_epoch and not metric.meta.is_mean_reduction
+    }
+
+
+def restore_epoch_aggregates(trainer: Any, saved: dict[str, torch.Tensor]) -> None:
+    """Put back what ``epoch_aggregates`` returned; an aggregate logged for the first time since goes back to empty."""
+    for key, metric in _training_results(trainer).items():
+        if not metric.is_tensor or not metric.meta.on_epoch or metric.meta.is_mean_reduction:
+            continue
+        if key in saved:
+            metric.value = saved[key].to(metric.value.device)
+        elif metric.meta.is_sum_reduction:
+            metric.value = torch.zeros_like(metric.value)
+        elif metric.meta.is_max_reduction or metric.meta.is_min_reduction:
+            bound = float("-inf") if metric.meta.is_max_reduction else float("inf")
+            metric.value = torch.full_like(metric.value, bound)

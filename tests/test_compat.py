@@ -182,3 +182,51 @@ def test_batches_done_in_epoch_counts_the_running_batch() -> None:
     )
     trainer.fit(module, loader)
     assert module.done == [1, 2, 3, 1, 2, 3]
+
+
+class _Weighted(pl.LightningModule):
+    """Logs 1, 10, 2 in three batches of two rows; the second batch is made to count for nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(2, 1)
+        self.batches_seen: list[bool] = []
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        trainer = self.trainer
+        self.batches_seen.append(_compat.training_batch(trainer) is batch)
+        saved = _compat.epoch_aggregates(trainer)
+        if batch_idx == 1:
+            _compat.set_logged_batch_size(trainer, 0)
+        value = torch.tensor([1.0, 10.0, 2.0][batch_idx])
+        self.log("mean", value, on_step=False, on_epoch=True)
+        self.log("total", value, reduce_fx="sum", on_step=False, on_epoch=True)
+        self.log("top", value, reduce_fx="max", on_step=False, on_epoch=True)
+        if batch_idx == 1:
+            self.log("only_here", value, reduce_fx="sum", on_step=False, on_epoch=True)
+            _compat.restore_epoch_aggregates(trainer, saved)
+        return self.layer(batch[0]).sum()
+
+    def on_train_epoch_end(self) -> None:
+        self.batches_seen.append(_compat.training_batch(self.trainer) is None)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_logged_batch_size_and_epoch_aggregates_let_a_batch_count_for_nothing(tmp_path: object) -> None:
+    module = _Weighted()
+    trainer = pl.Trainer(
+        accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        default_root_dir=str(tmp_path), enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(TensorDataset(torch.randn(6, 2)), batch_size=2))
+    assert module.batches_seen == [True, True, True, True], "the batch while it runs, None after the epoch"
+    metrics = {key: float(value) for key, value in trainer.callback_metrics.items()}
+    assert metrics == {"mean": 1.5, "total": 3.0, "top": 2.0, "only_here": 0.0}
+
+
+def test_a_strategy_says_whether_it_will_convert_batchnorm_to_sync() -> None:
+    for sync in (True, False):
+        built = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", sync_batchnorm=sync, logger=False)
+        assert _compat.converts_batchnorm_to_sync(built.strategy) is sync

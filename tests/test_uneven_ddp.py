@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
 import pytest
 import torch
-from torch.utils.data import DistributedSampler, TensorDataset
+import yaml
+from models import Regressor, assert_same_parameters, loader, parameters, regression_data, trainer
+from processes import clean_env, free_port, run
+from torch import nn
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler, TensorDataset
 
+from lightning_mgpu import ConfigurationError, MGPUDDPStrategy
+from lightning_mgpu.cli import main
 from lightning_mgpu.resume import ResumableSampler
 from lightning_mgpu.strategies.samplers import UnevenShardSampler
+
+SCRIPT = Path(__file__).parent / "scripts" / "uneven_ddp_train.py"
+CONFIGS = Path(__file__).parents[1] / "configs"
+ROWS, BATCH, RANKS, EPOCHS = 14, 2, 3, 2
+"""3 steps per epoch: two full ones of 6 rows, then 2 rows split 1, 1, 0, so rank 2 runs a padding row."""
 
 
 def _dataset(rows: int) -> TensorDataset:
@@ -103,3 +120,210 @@ def test_a_resumed_epoch_skips_whole_batches_of_this_rank() -> None:
         resumable.set_epoch(1)
         resumable.resume(None, skip=2 * sampler.batch_size)
         assert list(resumable) == sum(whole[2:], [])
+
+
+# ------------------------------------------------------------------------------------------ three gloo processes
+
+
+def _one_device() -> tuple[dict[str, torch.Tensor], list[dict[str, float]], list[list[list[int]]]]:
+    """The run on one device with batches of ``RANKS * BATCH`` rows, written out without Lightning or the package.
+
+    Returns its parameters, what its logger would receive (step values, then each epoch's), and its global batches.
+    """
+    x, y = (tensor.double() for tensor in regression_data(rows=ROWS).tensors)
+    torch.manual_seed(1)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    logged: list[dict[str, float]] = []
+    steps: list[list[list[int]]] = []
+    for epoch in range(EPOCHS):
+        order = torch.randperm(ROWS, generator=torch.Generator().manual_seed(epoch))  # Lightning's seed is 0
+        steps.append([order[start : start + RANKS * BATCH].tolist() for start in range(0, ROWS, RANKS * BATCH)])
+        epoch_errors = []
+        for rows in steps[-1]:
+            errors = (net(x[rows]) - y[rows]).pow(2).squeeze(1)
+            optimizer.zero_grad()
+            errors.mean().backward()
+            optimizer.step()
+            step = {
+                "loss_step": errors.detach().mean(),
+                "rows_step": len(rows),
+                "largest_step": errors.detach().max(),
+                "epoch": epoch,
+            }
+            logged.append({key: float(value) for key, value in step.items()})
+            epoch_errors.append(errors.detach())
+        errors = torch.cat(epoch_errors)
+        mean, largest = float(errors.mean()), float(errors.max())
+        logged.append({"loss_epoch": mean, "rows_epoch": ROWS, "largest_epoch": largest, "error_mean": mean,
+                       "epoch": epoch})  # fmt: skip
+    return net.state_dict(), logged, steps
+
+
+def _launch(out: Path, *args: str) -> list[dict[str, Any]]:
+    command = [sys.executable, str(SCRIPT), "--out", str(out), "--rows", str(ROWS), "--batch", str(BATCH), *args]
+    result = run(command, clean_env(MASTER_PORT=str(free_port())), timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(RANKS)]
+
+
+def _assert_logged(logged: list[dict[str, float]], expected: list[dict[str, float]]) -> None:
+    assert [sorted(entry) for entry in logged] == [sorted(entry) for entry in expected]
+    for got, want in zip(logged, expected, strict=True):
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, abs=1e-6), f"{key} in {got}"
+
+
+def _assert_parameters(out: Path, rank: int, expected: dict[str, torch.Tensor]) -> None:
+    params = torch.load(out / f"params{rank}.pt")
+    assert params.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(params[name], value, atol=1e-6, rtol=0, msg=f"rank {rank}: {name}")
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    """Three ranks, two shuffled epochs, a checkpoint in the middle of the second epoch (after step 4 of 6)."""
+    out = tmp_path_factory.mktemp("straight")
+    return out, _launch(out, "--epochs", str(EPOCHS), "--checkpoint-every", "4")
+
+
+@pytest.mark.slow
+def test_every_step_equals_one_device_on_the_union_of_the_ranks_rows(
+    straight: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    out, reports = straight
+    params, logged, steps = _one_device()
+    assert [report["global_step"] for report in reports] == [EPOCHS * len(steps[0])] * RANKS, "no rank skips a step"
+    for epoch, global_steps in enumerate(steps):
+        key = str(epoch)
+        assert {len(report["batches"][key]) for report in reports} == {len(global_steps)}
+        for step, expected in enumerate(global_steps):
+            planned = [report["rows"][key][step] for report in reports]
+            real = [report["batches"][key][step][:mine] for report, (mine, _) in zip(reports, planned, strict=True)]
+            assert sum(real, []) == expected, f"epoch {epoch} step {step}: the ranks' rows are one device's batch"
+            assert {total for _, total in planned} == {len(expected)}
+            for report, (mine, _) in zip(reports, planned, strict=True):
+                assert len(report["batches"][key][step]) == max(mine, 1), "one padding row, on an empty rank only"
+        seen = sorted(index for rows in global_steps for index in rows)
+        assert seen == list(range(ROWS)), "every sample once per epoch"
+    assert [report["rows"]["0"][-1] for report in reports] == [[1, 2], [1, 2], [0, 2]]
+    for rank, report in enumerate(reports):
+        _assert_parameters(out, rank, params)
+        _assert_logged(report["logged"], logged)  # step and epoch values, synced, on every rank
+    assert sum(report["rows_seen"] for report in reports) == EPOCHS * ROWS, "the padding row left buffers alone"
+
+
+@pytest.mark.slow
+def test_a_mid_epoch_resume_trains_on_the_rest_of_the_epoch_exactly(
+    straight: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    out, reports = straight
+    checkpoint = out / "checkpoints" / "step=4.ckpt"
+    resumed = _launch(tmp_path, "--epochs", str(EPOCHS), "--ckpt-in", str(checkpoint))
+    params, logged, _ = _one_device()
+    for rank, (report, before) in enumerate(zip(resumed, reports, strict=True)):
+        assert list(report["batches"]) == ["1"]
+        assert report["batches"]["1"] == before["batches"]["1"][1:], f"rank {rank} continues after batch 0"
+        assert report["rows"]["1"] == before["rows"]["1"][1:], "batch_idx continues from the resumed position"
+        _assert_parameters(tmp_path, rank, params)
+        _assert_logged(report["logged"], logged[-3:])  # steps 5 and 6, then the whole second epoch's values
+
+
+@pytest.mark.slow
+def test_without_the_option_training_repeats_samples_and_differs_from_one_device(tmp_path: Path) -> None:
+    reports = _launch(tmp_path, "--epochs", str(EPOCHS), "--no-uneven")
+    seen = sorted(index for report in reports for batch in report["batches"]["0"] for index in batch)
+    assert len(seen) == ROWS + 1, "Lightning's DistributedSampler pads 14 rows to 15 on 3 ranks"
+    params, _, _ = _one_device()
+    differences = [
+        float((torch.load(tmp_path / "params0.pt")[name] - value).abs().max()) for name, value in params.items()
+    ]
+    assert max(differences) > 1e-3
+
+
+# ------------------------------------------------------------------------------------- refusals, in one process
+
+
+class _Manual(Regressor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+class _Iterating(Regressor):
+    def training_step(self, dataloader_iter: Any) -> torch.Tensor:  # type: ignore[override]
+        batch = next(dataloader_iter)
+        return super().training_step(batch, 0)
+
+
+def _fit(model: Regressor, data: DataLoader, tmp_path: Path, **overrides: Any) -> L.Trainer:
+    run_ = trainer(tmp_path, strategy=MGPUDDPStrategy(uneven_batches=True), **overrides)
+    run_.fit(model, data)
+    return run_
+
+
+def _batch_sampled(rows: int) -> DataLoader:
+    return DataLoader(regression_data(rows=rows), batch_sampler=BatchSampler(SequentialSampler(range(rows)), 4, False))
+
+
+@pytest.mark.parametrize(
+    ("case", "match"),
+    [
+        ("accumulate", r"accumulate_grad_batches=2\): the last, smaller step .* Use accumulate_grad_batches=1"),
+        ("manual", r"_Manual sets automatic_optimization = False.* Use automatic optimization"),
+        ("dataloader_iter", r"_Iterating.training_step takes dataloader_iter.* Take \(batch, batch_idx\)"),
+        (
+            "own_sampler",
+            r"sampler is SequentialSampler: .*use_distributed_sampler=False\). Give the DataLoader shuffle",
+        ),
+        ("batch_sampler", r"comes from a batch_sampler, which has none. Give the DataLoader batch_size="),
+        ("sync_batchnorm", r"cannot train SyncBatchNorm layers \(net.1\).* Drop Trainer\(sync_batchnorm=True\)"),
+    ],
+)
+def test_what_cannot_be_exact_is_refused_before_the_first_step(tmp_path: Path, case: str, match: str) -> None:
+    model: Regressor = {"manual": _Manual, "dataloader_iter": _Iterating}.get(case, Regressor)()
+    if case == "sync_batchnorm":
+        model.net[1] = nn.BatchNorm1d(8)
+    data = _batch_sampled(10) if case == "batch_sampler" else loader(regression_data(rows=10), 4)
+    overrides = {
+        "accumulate": {"accumulate_grad_batches": 2},
+        "own_sampler": {"use_distributed_sampler": False},
+        "sync_batchnorm": {"sync_batchnorm": True},
+    }.get(case, {})
+    stepped: list[int] = []
+    model.on_train_batch_start = lambda *args: stepped.append(1)  # type: ignore[method-assign]
+    with pytest.raises(ConfigurationError, match=match) as refused:
+        _fit(model, data, tmp_path, **overrides)
+    assert "or leave uneven_batches off" in str(refused.value)
+    assert not stepped
+
+
+def test_post_local_sgd_is_refused_when_the_strategy_is_built() -> None:
+    with pytest.raises(ConfigurationError, match="cannot be combined with model_averaging_period.* Remove"):
+        MGPUDDPStrategy(uneven_batches=True, model_averaging_period=4)
+
+
+def test_one_process_trains_as_one_device_on_lightnings_shuffled_order(tmp_path: Path) -> None:
+    """Lightning shuffles distributed training data with seed 0 + epoch; one process must equal that one device."""
+    ddp = Regressor()
+    run_ = _fit(ddp, loader(regression_data(rows=10), 4), tmp_path, max_epochs=2)
+    assert run_.strategy.uneven_batches
+    single = Regressor()
+    shuffled = [torch.randperm(10, generator=torch.Generator().manual_seed(epoch)) for epoch in range(2)]
+    rows = torch.cat(shuffled)  # two epochs of batches 4, 4, 2 in the permuted order
+    data = regression_data(rows=10)
+    in_order = TensorDataset(data.tensors[0][rows], data.tensors[1][rows])
+    batches = [list(range(start, min(start + 4, end))) for end in (10, 20) for start in range(end - 10, end, 4)]
+    trainer(tmp_path, max_epochs=1).fit(single, DataLoader(in_order, batch_sampler=batches))
+    assert_same_parameters(parameters(ddp), parameters(single))
+
+
+def test_the_option_is_set_from_yaml_init_args(capsys: pytest.CaptureFixture[str]) -> None:
+    config = ["--trainer.strategy.class_path", "lightning_mgpu.MGPUDDPStrategy"]
+    config += ["--trainer.strategy.init_args.uneven_batches", "true", "--print_config"]
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(CONFIGS / "ddp_cpu.yaml"), *config])
+    strategy = yaml.safe_load(capsys.readouterr().out)["trainer"]["strategy"]
+    assert strategy["class_path"] == "lightning_mgpu.MGPUDDPStrategy"
+    assert strategy["init_args"]["uneven_batches"] is True

@@ -15,16 +15,31 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
-from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_mgpu._compat import is_unused_parameters_error, unused_parameter_indices, with_sampler
+from lightning_mgpu._compat import (
+    BatchNorm,
+    converts_batchnorm_to_sync,
+    epoch_aggregates,
+    is_unused_parameters_error,
+    metric_states,
+    restore_epoch_aggregates,
+    restore_metric_states,
+    set_logged_batch_size,
+    training_batch,
+    unused_parameter_indices,
+    with_sampler,
+)
+from lightning_mgpu.errors import ConfigurationError
 from lightning_mgpu.step.health import StepHealth, stop_iteration_is_an_error
 from lightning_mgpu.step.hooks import call_step_end
 from lightning_mgpu.strategies.base import MGPUStrategyMixin
 from lightning_mgpu.strategies.launch_checks import check_launch_matches_trainer
-from lightning_mgpu.strategies.samplers import EvenlyShardedSampler, is_padding_sampler
+from lightning_mgpu.strategies.samplers import EvenlyShardedSampler, UnevenShardSampler, is_padding_sampler
 
 _EVALUATION_STAGES = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING)
 _EXIT_GRACE_S = 0.1
@@ -43,9 +58,35 @@ _process_exit = _ProcessExit()
 
 
 def _is_mean(reduce_op: Any) -> bool:
+    return _op_name(reduce_op) == "mean"
+
+
+def _op_name(reduce_op: Any) -> str | None:
+    """``"mean"``, ``"sum"``, ``"max"`` or ``"min"`` for a reduction named or given as a ``ReduceOp``; else ``None``."""
     if isinstance(reduce_op, str):
-        return reduce_op.lower() in ("mean", "avg")
-    return reduce_op == dist.ReduceOp.AVG
+        name = reduce_op.lower()
+        return "mean" if name in ("mean", "avg") else name if name in ("sum", "max", "min") else None
+    ops = {dist.ReduceOp.AVG: "mean", dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min"}
+    return next((name for op, name in ops.items() if reduce_op == op), None)
+
+
+def _identity(tensor: torch.Tensor, op: str) -> torch.Tensor:
+    """What a rank without real rows contributes to a sum, maximum or minimum: a value that changes nothing."""
+    if op == "sum":
+        return torch.zeros_like(tensor)
+    if tensor.is_floating_point():
+        return torch.full_like(tensor, float("-inf") if op == "max" else float("inf"))
+    limits = torch.iinfo(tensor.dtype)
+    return torch.full_like(tensor, limits.min if op == "max" else limits.max)
+
+
+@dataclass
+class _PaddingStep:
+    """What a rank's padding row would change and a step must leave as it was: buffers, metrics, epoch aggregates."""
+
+    buffers: list[torch.Tensor]
+    metrics: dict[str, dict[str, Any]]
+    aggregates: dict[str, torch.Tensor]
 
 
 def buffer_sync_keyword() -> str:
@@ -116,6 +157,13 @@ class MGPUDDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
             left to ``**kwargs``, so YAML configs can set it.
         static_graph: tell DDP the set of used parameters never changes between steps.
         gradient_as_bucket_view: let gradients alias DDP's communication buckets, saving memory.
+        uneven_batches: train on every sample exactly once per epoch, with each optimizer step equal to one device
+            stepping on the union of the ranks' batches (:class:`~lightning_mgpu.strategies.samplers.
+            UnevenShardSampler`): the last step's rows are split unevenly, a rank left without a row runs a padding
+            row that counts for nothing, and the losses, gradients and ``self.log(..., sync_dist=True)`` means are
+            weighted by each rank's real rows. The loss ``training_step`` (or ``training_step_end``) returns must be
+            the mean over its batch's rows. Off by default: training then uses Lightning's ``DistributedSampler``,
+            which pads the last shards with duplicate samples.
         **kwargs: passed to ``DistributedDataParallel`` (``bucket_cap_mb``, ...); ``ddp_comm_state``,
             ``ddp_comm_hook``, ``ddp_comm_wrapper`` and ``model_averaging_period`` go to Lightning's DDP strategy.
     """
@@ -136,8 +184,15 @@ class MGPUDDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
         find_unused_parameters: bool = False,
         static_graph: bool = False,
         gradient_as_bucket_view: bool = False,
+        uneven_batches: bool = False,
         **kwargs: Any,
     ) -> None:
+        if uneven_batches and kwargs.get("model_averaging_period") is not None:
+            raise ConfigurationError(
+                "MGPUDDPStrategy(uneven_batches=True) cannot be combined with model_averaging_period: post-local SGD"
+                " steps each rank on its own gradients, so the unequal last batches could not add up to one device's"
+                " step. Remove model_averaging_period, or leave uneven_batches off."
+            )
         forward_sync_buffers = kwargs.pop("forward_sync_buffers", None)  # torch 2.13's name for the same switch
         if forward_sync_buffers is not None:
             broadcast_buffers = bool(forward_sync_buffers)
@@ -157,18 +212,27 @@ class MGPUDDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
             **kwargs,
         )
         self.broadcast_buffers = broadcast_buffers
+        self.uneven_batches = uneven_batches
         self._health = StepHealth(self.strategy_name)
+        self._shards: UnevenShardSampler | None = None
+        self._step_rows: tuple[int, int] | None = None
+        self._step_batch: Any = None
+        self._padding_step: _PaddingStep | None = None
+        self._weighting_paused = False
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module
         assert module is not None
         self._prepare_module(trainer, module)
+        if self.uneven_batches and trainer.state.fn == TrainerFn.FITTING:
+            self._check_uneven_training(trainer, module)
         super().setup(trainer)
 
     @override
     def teardown(self) -> None:
         self._release_module(self.lightning_module)
+        self._shards = self._step_rows = self._step_batch = self._padding_step = None
         super().teardown()
 
     @override
@@ -197,6 +261,7 @@ class MGPUDDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
             )
         with stop_iteration_is_an_error("training_step"):
             output = self._step_end("training_step", super().training_step(*args, **kwargs))
+        self._undo_padding_step()
         self._health.check_loss(output, self._where)
         return output
 
@@ -222,21 +287,71 @@ class MGPUDDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
         Lightning's epoch-level ``sync_dist`` means divide the synced sum of values by the synced mean of the
         integer batch counts; on gloo that mean is truncated (ranks that saw 3 and 2 samples average to 2, not 2.5),
         which is wrong as soon as evaluation shards are uneven.
+
+        With ``uneven_batches``, inside a training batch (where ``self.log(..., sync_dist=True)`` syncs its step
+        values) a mean is weighted by each rank's real rows, and a rank whose batch is a padding row contributes
+        nothing to a sum, maximum or minimum.
         """
+        rows = self._rows_to_weight_by()
+        if rows is not None and isinstance(tensor, torch.Tensor):
+            return self._reduce_over_real_rows(tensor, rows, group, reduce_op)
         if isinstance(tensor, torch.Tensor) and not tensor.is_floating_point() and _is_mean(reduce_op):
             tensor = tensor.to(torch.get_default_dtype())
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
+        """Lightning's: every rank's vote counts, padding row or not (checkpoint and early-stopping decisions)."""
+        self._weighting_paused = True
+        try:
+            return super().reduce_boolean_decision(decision, all=all)
+        finally:
+            self._weighting_paused = False
+
+    @override
     def process_dataloader(self, dataloader: object) -> object:
         """Give evaluation dataloaders a sampler that shards without padding, so each sample counts once.
 
-        Training keeps the padding sampler: DDP needs every rank to run the same number of training steps.
+        Training keeps the padding sampler (DDP needs every rank to run the same number of training steps) unless
+        ``uneven_batches`` is on; then the training dataloader gets an ``UnevenShardSampler`` built from it.
         """
         if self._stage() in _EVALUATION_STAGES and is_padding_sampler(getattr(dataloader, "sampler", None)):
             sampler = dataloader.sampler  # type: ignore[attr-defined]
             return with_sampler(dataloader, EvenlyShardedSampler.like(sampler))  # type: ignore[arg-type]
+        if self.uneven_batches and self._stage() == RunningStage.TRAINING:
+            dataloader = self._shard_unevenly(dataloader)
         return super().process_dataloader(dataloader)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """With ``uneven_batches``: look up this step's real rows, and have logged values weighted by them."""
+        super().on_train_batch_start(batch, batch_idx)
+        trainer = self._trainer()
+        if self._shards is None or trainer is None:
+            return
+        self._step_rows = self._shards.rows(batch_idx)
+        self._step_batch = batch
+        set_logged_batch_size(trainer, self._step_rows[0])
+        if self._step_rows[0] == 0:
+            module = trainer.lightning_module
+            self._padding_step = _PaddingStep(
+                buffers=[buffer.detach().clone() for buffer in module.buffers()],
+                metrics=metric_states(module),
+                aggregates=epoch_aggregates(trainer),
+            )
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Any:
+        """With ``uneven_batches``, scale this rank's loss so DDP's average of gradients is one device's gradient.
+
+        DDP divides the sum of the ranks' gradients by the number of ranks; a rank whose loss is the mean over its
+        ``rows`` of a step's ``total`` rows, scaled by ``rows * world_size / total``, makes that average the gradient
+        of the mean over all the step's rows. In full steps the factor is 1; a padding row's is 0.
+        """
+        rows = self._current_rows()
+        if rows is not None and rows[0] * self.world_size != rows[1]:
+            closure_loss = closure_loss * (rows[0] * self.world_size / rows[1])
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
     def on_validation_start(self) -> None:
@@ -253,6 +368,102 @@ class MGPUDDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
             exception.args = (self._explain_unused_parameters(str(exception)),)
             return
         super().on_exception(exception)
+
+    def _current_rows(self) -> tuple[int, int] | None:
+        """This rank's real rows and the step's, while a training batch of an uneven epoch runs; else ``None``."""
+        trainer = self._trainer()
+        if self._step_rows is None or trainer is None or training_batch(trainer) is not self._step_batch:
+            return None
+        return self._step_rows
+
+    def _rows_to_weight_by(self) -> int | None:
+        rows = self._current_rows()
+        return None if rows is None or self._weighting_paused else rows[0]
+
+    def _reduce_over_real_rows(self, tensor: torch.Tensor, rows: int, group: Any | None, reduce_op: Any) -> Any:
+        """Reduce a value logged in a training batch as if one device had logged it over the step's real rows.
+
+        A mean is weighted by each rank's real rows, in one all-reduce of the weighted values and the weights
+        together; to a sum, maximum or minimum a rank without real rows contributes the value that changes nothing.
+        """
+        op = _op_name(reduce_op)
+        if op == "mean" and dist.is_available() and dist.is_initialized():
+            value = tensor if tensor.is_floating_point() else tensor.to(torch.get_default_dtype())
+            payload = torch.cat([value.detach().reshape(-1) * rows, value.new_tensor([rows])])
+            dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=group)
+            return (payload[:-1] / payload[-1]).reshape(value.shape)
+        if rows == 0 and op in ("sum", "max", "min"):
+            tensor = _identity(tensor, op)
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    def _shard_unevenly(self, dataloader: object) -> object:
+        """The training dataloader with an ``UnevenShardSampler`` in place of Lightning's padding sampler."""
+        fix = "or leave uneven_batches off"
+        if not isinstance(dataloader, DataLoader) or dataloader.batch_size is None:
+            kind = "a batch_sampler" if isinstance(dataloader, DataLoader) else f"a {type(dataloader).__name__}"
+            raise ConfigurationError(
+                "MGPUDDPStrategy(uneven_batches=True) needs the training DataLoader's batch_size to plan each rank's"
+                f" rows, but the training data comes from {kind}, which has none. Give the DataLoader batch_size="
+                f"... (and no batch_sampler), {fix}."
+            )
+        sampler = dataloader.sampler
+        if not is_padding_sampler(sampler):
+            raise ConfigurationError(
+                "MGPUDDPStrategy(uneven_batches=True) shards the training data itself, from the DistributedSampler"
+                f" Lightning adds, but the training DataLoader's sampler is {type(sampler).__name__}: a sampler of"
+                " your own, an IterableDataset, or Trainer(use_distributed_sampler=False). Give the DataLoader"
+                " shuffle=True or False instead of a sampler and keep Trainer(use_distributed_sampler=True)"
+                f" (the default), {fix}."
+            )
+        assert isinstance(sampler, torch.utils.data.DistributedSampler)
+        drop_last = dataloader.drop_last or sampler.drop_last
+        self._shards = UnevenShardSampler.like(sampler, dataloader.batch_size, drop_last=drop_last)
+        return with_sampler(dataloader, self._shards)
+
+    def _check_uneven_training(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        """Refuse, before the first step, what ``uneven_batches`` cannot make equal to one device."""
+        fix = "or leave uneven_batches off"
+        if trainer.accumulate_grad_batches > 1:
+            raise ConfigurationError(
+                "MGPUDDPStrategy(uneven_batches=True) cannot be combined with Trainer(accumulate_grad_batches="
+                f"{trainer.accumulate_grad_batches}): the last, smaller step of an epoch would be accumulated with"
+                " full ones at equal weight. Use accumulate_grad_batches=1 with a batch_size that many times larger,"
+                f" {fix}."
+            )
+        if not module.automatic_optimization:
+            raise ConfigurationError(
+                "MGPUDDPStrategy(uneven_batches=True) weights each rank's loss inside Lightning's automatic"
+                f" optimization, but {type(module).__name__} sets automatic_optimization = False, where the strategy"
+                f" cannot tell which backward is the step's loss. Use automatic optimization, {fix}."
+            )
+        if "dataloader_iter" in inspect.signature(module.training_step).parameters:
+            raise ConfigurationError(
+                f"MGPUDDPStrategy(uneven_batches=True) needs to know which batch each step trains on, but"
+                f" {type(module).__name__}.training_step takes dataloader_iter and fetches batches itself."
+                f" Take (batch, batch_idx), {fix}."
+            )
+        synced = BatchNorm if converts_batchnorm_to_sync(self) else torch.nn.SyncBatchNorm
+        names = [name for name, layer in module.named_modules() if isinstance(layer, synced)]
+        if names:
+            raise ConfigurationError(
+                "MGPUDDPStrategy(uneven_batches=True) cannot train SyncBatchNorm layers"
+                f" ({', '.join(names)}): their batch statistics span every rank and would include the padding row of"
+                " a rank left without real rows. Drop Trainer(sync_batchnorm=True) or use GroupNorm or LayerNorm,"
+                " or leave uneven_batches off."
+            )
+
+    def _undo_padding_step(self) -> None:
+        """After a step on a padding row, put back what that row changed: buffers, metric states, epoch aggregates."""
+        saved, self._padding_step = self._padding_step, None
+        trainer = self._trainer()
+        if saved is None or trainer is None:
+            return
+        module = trainer.lightning_module
+        with torch.no_grad():
+            for buffer, value in zip(module.buffers(), saved.buffers, strict=True):
+                buffer.copy_(value)
+        restore_metric_states(module, saved.metrics)
+        restore_epoch_aggregates(trainer, saved.aggregates)
 
     def _where(self) -> str:
         step = self.lightning_module.global_step if self.lightning_module is not None else 0
