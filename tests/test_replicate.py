@@ -333,6 +333,17 @@ def test_a_replica_records_one_autograd_node_for_all_its_parameters_and_keeps_th
     assert model[0].weight.grad is not None
 
 
+def test_a_replica_of_a_module_with_few_parameters_keeps_an_alias_node_each() -> None:
+    model = nn.Linear(3, 2)
+    replicas = replicate(model, CPU2)
+    for replica in replicas:
+        assert len({replica.weight.grad_fn, replica.bias.grad_fn}) == 2
+        assert _shares_storage(replica.weight, model.weight)
+    x = torch.randn(4, 3)
+    sum(replica(x).sum() for replica in replicas).backward()
+    torch.testing.assert_close(model.bias.grad, torch.full((2,), 8.0))
+
+
 def test_replicas_made_without_gradient_recording_are_plain_aliases() -> None:
     model = nn.Linear(3, 2)
     with torch.no_grad():
