@@ -329,6 +329,7 @@ class MGPUDDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
         trainer = self._trainer()
         if self._shards is None or trainer is None:
             return
+        self._restore_padding_buffers()  # a padding step whose loss had no backward (it returned None)
         self._step_rows = self._shards.rows(batch_idx)
         self._step_batch = batch
         set_logged_batch_size(trainer, self._step_rows[0])
@@ -351,7 +352,10 @@ class MGPUDDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
         rows = self._current_rows()
         if rows is not None and rows[0] * self.world_size != rows[1]:
             closure_loss = closure_loss * (rows[0] * self.world_size / rows[1])
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
+        try:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        finally:
+            self._restore_padding_buffers()
 
     @override
     def on_validation_start(self) -> None:
@@ -453,17 +457,27 @@ class MGPUDDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
             )
 
     def _undo_padding_step(self) -> None:
-        """After a step on a padding row, put back what that row changed: buffers, metric states, epoch aggregates."""
+        """After a step on a padding row, put back the metric states and epoch aggregates that row changed.
+
+        Its buffers are put back after its backward (``_restore_padding_buffers``): the backward may still need them.
+        """
+        saved = self._padding_step
+        trainer = self._trainer()
+        if saved is None or trainer is None:
+            return
+        restore_metric_states(trainer.lightning_module, saved.metrics)
+        restore_epoch_aggregates(trainer, saved.aggregates)
+
+    def _restore_padding_buffers(self) -> None:
+        """Put back the buffers a padding row's step changed (BatchNorm statistics, counters), and only those."""
         saved, self._padding_step = self._padding_step, None
         trainer = self._trainer()
         if saved is None or trainer is None:
             return
-        module = trainer.lightning_module
         with torch.no_grad():
-            for buffer, value in zip(module.buffers(), saved.buffers, strict=True):
-                buffer.copy_(value)
-        restore_metric_states(module, saved.metrics)
-        restore_epoch_aggregates(trainer, saved.aggregates)
+            for buffer, value in zip(trainer.lightning_module.buffers(), saved.buffers, strict=True):
+                if not torch.equal(buffer, value):
+                    buffer.copy_(value)
 
     def _where(self) -> str:
         step = self.lightning_module.global_step if self.lightning_module is not None else 0

@@ -42,20 +42,22 @@ def network() -> nn.Module:
 class Uneven(L.LightningModule):
     """Per-row errors from the step, the loss and the logged values in ``training_step_end``, as 1.x DP code did.
 
-    ``rows_seen`` counts the rows every forward saw (a padding row must not count) and ``error_mean`` is a
-    torchmetrics mean of the errors (a padding row must not enter it).
+    ``rows_seen`` counts the rows every forward saw (a padding row must not count), ``scale`` is a buffer the
+    backward needs (putting a padding row's buffers back must not touch it before the backward has run), and
+    ``error_mean`` is a torchmetrics mean of the errors (a padding row must not enter it).
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.net = network()
         self.register_buffer("rows_seen", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("scale", torch.ones((), dtype=torch.float64))
         self.error_mean = torchmetrics.MeanMetric()
         self.error_mean.set_dtype(torch.float64)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.rows_seen += x.shape[0]
-        return self.net(x)
+        return self.net(x) * self.scale
 
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
         x, y, _ = batch
