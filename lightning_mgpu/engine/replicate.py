@@ -205,21 +205,13 @@ def _same_objects(left: list[nn.Module], right: list[nn.Module]) -> bool:
 
 def all_on(modules: list[nn.Module], device: torch.device) -> bool:
     """Whether every parameter and buffer of ``modules`` (from ``modules_of``) is on ``device`` exactly."""
-    if device.type == "cpu":  # the common case of virtual replicas, read without building a device per tensor
-        for module in modules:
-            for tensor in module._parameters.values():
-                if tensor is not None and not tensor.is_cpu:
-                    return False
-            for buffer in module._buffers.values():
-                if buffer is not None and not buffer.is_cpu:
-                    return False
-        return True
+    cpu = device.type == "cpu"  # the common case of virtual replicas: read without building a device per tensor
     for module in modules:
         for tensor in module._parameters.values():
-            if tensor is not None and tensor.device != device:
+            if tensor is not None and (not tensor.is_cpu if cpu else tensor.device != device):
                 return False
-        for buffer in module._buffers.values():
-            if buffer is not None and buffer.device != device:
+        for tensor in module._buffers.values():
+            if tensor is not None and (not tensor.is_cpu if cpu else tensor.device != device):
                 return False
     return True
 
@@ -387,8 +379,8 @@ class _ReplicaParameters(torch.autograd.Function):
 # ``alias`` rather than ``view_as``: its backward passes the gradient through untouched, so sparse gradients
 # (nn.Embedding(sparse=True)) reach the parameter as they do on one device. Called through the builtin behind the
 # overload (private ``_op``), without the Python frame of ``OpOverload.__call__``, which only forwards to it. Used
-# where no gradient is recorded and for a parameter already on a replica's device when others are not; a private
-# torch touch point, covered by tests/test_replicate.py.
+# for replicas of modules with few trainable parameters, where no gradient is recorded, and for a parameter already
+# on a replica's device when others are not; a private torch touch point, covered by tests/test_replicate.py.
 _ALIAS_OVERLOAD = torch.ops.aten.alias.default
 _alias: Callable[[torch.Tensor], torch.Tensor] = getattr(_ALIAS_OVERLOAD, "_op", _ALIAS_OVERLOAD)
 
