@@ -207,11 +207,11 @@ def all_on(modules: list[nn.Module], device: torch.device) -> bool:
     """Whether every parameter and buffer of ``modules`` (from ``modules_of``) is on ``device`` exactly."""
     cpu = device.type == "cpu"  # the common case of virtual replicas: read without building a device per tensor
     for module in modules:
-        for tensor in module._parameters.values():
-            if tensor is not None and (not tensor.is_cpu if cpu else tensor.device != device):
+        for param in module._parameters.values():
+            if param is not None and (not param.is_cpu if cpu else param.device != device):
                 return False
-        for tensor in module._buffers.values():
-            if tensor is not None and (not tensor.is_cpu if cpu else tensor.device != device):
+        for buffer in module._buffers.values():
+            if buffer is not None and (not buffer.is_cpu if cpu else buffer.device != device):
                 return False
     return True
 
