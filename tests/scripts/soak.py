@@ -85,8 +85,12 @@ def main() -> int:
     growth = {key: end[key] - start[key] for key in start}
     ok = growth["rss_mb"] < RSS_GROWTH_LIMIT_MB and growth["threads"] <= 0 and growth["files"] <= 0
     ok = ok and growth["tensors"] <= 0
-    print(json.dumps({"rank": trainer.global_rank, "steps": trainer.global_step, "start": start, "end": end,
-                      "growth": growth, "ok": ok}), flush=True)  # fmt: skip
+    report = {"rank": trainer.global_rank, "steps": trainer.global_step, "start": start, "end": end, "growth": growth,
+              "ok": ok}  # fmt: skip
+    # One write of the whole line: every rank writes to the same pipe, and a line shorter than the pipe's buffer
+    # written at once is never interleaved with another rank's output.
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (json.dumps(report) + "\n").encode())
     return 0 if ok else 1
 
 
