@@ -350,3 +350,18 @@ def test_replicas_made_without_gradient_recording_are_plain_aliases() -> None:
         replicas = replicate(model, CPU2)
     for replica in replicas:
         assert all(param.grad_fn is None and _shares_storage(param, model.weight) for param in [replica.weight])
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # importing forward_ad
+def test_forward_mode_derivatives_pass_through_a_replica_as_through_the_module() -> None:
+    import torch.autograd.forward_ad as forward_ad
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))  # 4 parameters: one node per replica
+    replicas = replicate(model, CPU2)
+    assert replicas[1][0].weight.grad_fn is replicas[1][2].bias.grad_fn
+    x, tangent = torch.randn(5, 3), torch.randn(5, 3)
+    derivatives = []
+    for module in (replicas[1], model):
+        with forward_ad.dual_level():
+            derivatives.append(forward_ad.unpack_dual(module(forward_ad.make_dual(x, tangent))).tangent)
+    torch.testing.assert_close(derivatives[0], derivatives[1], rtol=0, atol=0)
