@@ -375,8 +375,10 @@ class MGPUDDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
 
     def _current_rows(self) -> tuple[int, int] | None:
         """This rank's real rows and the step's, while a training batch of an uneven epoch runs; else ``None``."""
+        if self._step_rows is None:  # uneven_batches off, or no training batch yet: every step and reduce asks
+            return None
         trainer = self._trainer()
-        if self._step_rows is None or trainer is None or training_batch(trainer) is not self._step_batch:
+        if trainer is None or training_batch(trainer) is not self._step_batch:
             return None
         return self._step_rows
 
