@@ -33,7 +33,7 @@ LABELS = (
     ("lightning_mgpu.engine.data_parallel", "scatter_to_devices", "mgpu::scatter"),
     ("lightning_mgpu.engine.replicate", "ReplicaCache.__call__", "mgpu::replicate"),
     ("lightning_mgpu.step.replicas", "prepare_replica", "mgpu::prepare_replica"),
-    ("lightning_mgpu.engine.data_parallel", "MGPUDataParallel._synchronise_batchnorms", "mgpu::batchnorm_setup"),
+    ("lightning_mgpu.engine.data_parallel", "MGPUDataParallel._batch_statistics_exchange", "mgpu::batchnorm_setup"),
     ("lightning_mgpu.engine.parallel_apply", "ParallelApply.__call__", "mgpu::parallel_apply"),
     ("lightning_mgpu.engine.parallel_apply", "_Job.run", "mgpu::replica_thread"),
     ("benchmarks.modules", "BenchModule.training_step", "mgpu::replica_step_body"),

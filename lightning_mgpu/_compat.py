@@ -10,7 +10,8 @@ torch:
     ``torch.compile(module)`` binds to the module it wraps, and the call that ``module.compile()`` binds to the
     module itself. Nor does it say which attributes its forward pre-hooks rewrite (``weight_norm``'s ``weight``),
     or cheaply whether a thread has any torch function mode active (``parallel_apply`` asks every step). BatchNorm
-    over the whole batch needs the BatchNorm base class and its input check, neither exported. A replica
+    over the whole batch needs the BatchNorm base class, which torch does not export, and whether a module was
+    compiled with ``fullgraph=True``, which only its compile context says. A replica
     of a LightningModule is built without ``.to()``, so its device is set where ``.to()`` keeps it. DDP explains
     parameters that got no gradient only in the text of its error. (A module's registries ``_parameters``,
     ``_buffers`` and ``_modules``, which ``engine/replicate.py`` fills for each replica as torch's own ``replicate``
@@ -88,15 +89,36 @@ def recompile_call(compiled: Callable[..., Any], shell: nn.Module) -> Callable[.
     original arguments would do. Returns ``None`` when the context cannot be found (a torch that builds the wrapper
     differently), so the caller can fall back to running the replica uncompiled.
     """
+    context = _compile_context(compiled)
+    if context is None:
+        return None
+    rebound = context(shell._call_impl)
+    return rebound if callable(rebound) else None
+
+
+def _compile_context(compiled: Callable[..., Any]) -> Callable[..., Any] | None:
+    """The compile context (backend, mode, options) that the wrapper ``torch.compile(fn, ...)`` returned holds."""
     code = getattr(compiled, "__code__", None)
     closure = getattr(compiled, "__closure__", None)
     if code is None or closure is None or "self" not in code.co_freevars:
         return None
     context = closure[code.co_freevars.index("self")].cell_contents
-    if not callable(context):
-        return None
-    rebound = context(shell._call_impl)
-    return rebound if callable(rebound) else None
+    return context if callable(context) else None
+
+
+def compiled_with_fullgraph(module: nn.Module) -> bool:
+    """Whether ``module`` is ``torch.compile(..., fullgraph=True)``'s wrapper or was compiled in place so.
+
+    A fullgraph compile refuses any break in its graph. Both ways of compiling keep their settings in the compile
+    context, which torch does not expose: the wrapper holds it as ``dynamo_ctx``, ``module.compile()`` in the
+    closure of the call it installs.
+    """
+    if is_compiled_wrapper(module):
+        context = getattr(module, "dynamo_ctx", None)
+    else:
+        compiled = compiled_call(module)
+        context = None if compiled is None else _compile_context(compiled)
+    return bool(getattr(context, "fullgraph", False))
 
 
 def names_rewritten_by_hooks(module: nn.Module, owned: Callable[[type], bool]) -> set[str]:
@@ -129,11 +151,6 @@ def function_mode_depth() -> int | None:
 
 BatchNorm = nn.modules.batchnorm._BatchNorm
 """The base class of ``BatchNorm1d/2d/3d`` and ``SyncBatchNorm`` (lazy ones too), which torch does not export."""
-
-
-def check_batchnorm_input(layer: BatchNorm, x: torch.Tensor) -> None:
-    """Raise torch's own error for an input of the wrong rank, as ``layer``'s forward would first."""
-    layer._check_input_dim(x)
 
 
 def compiled_original(module: nn.Module) -> nn.Module:

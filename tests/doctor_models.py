@@ -87,6 +87,19 @@ class BatchNormNet(_Net):
         return errors.mean()
 
 
+class _BatchNormThenReLU(nn.BatchNorm1d):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(super().forward(x))
+
+
+class BatchNormSubclassNet(BatchNormNet):
+    """A BatchNorm subclass whose forward also activates, as timm's BatchNormAct2d does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Sequential(nn.Linear(4, 8), _BatchNormThenReLU(8), nn.Linear(8, 1))
+
+
 class CenteredNet(_Net):
     """Subtracts the batch mean inside training_step; the loss itself is per-sample and fine."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -10,7 +11,8 @@ import torch
 from models import Regressor, assert_same_parameters, loader, parameters, regression_data, trainer
 from torch import nn
 
-from lightning_mgpu import MGPUDataParallel, MGPUDPStrategy
+from lightning_mgpu import MGPUDataParallel, MGPUDPStrategy, _compat
+from lightning_mgpu.errors import ConfigurationError
 
 
 @pytest.fixture
@@ -33,7 +35,37 @@ class _Twice(nn.Module):
         return self.bn(self.linear(self.bn(x)))
 
 
+class _BNReLU(nn.BatchNorm1d):
+    """A BatchNorm subclass whose forward does more than normalise, as timm's BatchNormAct2d does."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(super().forward(x)) * 2 - 0.5
+
+
+class _FunctionalNorm(nn.Module):
+    """No BatchNorm layer: the module's own code normalises by batch statistics, keeping its own running mean."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, features))
+        self.register_buffer("mean", torch.zeros(features))
+        self.register_buffer("var", torch.ones(features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normalised = nn.functional.batch_norm(x, self.mean, self.var, self.gain, None, training=True, momentum=0.3)
+        return torch.batch_norm(normalised.tanh(), None, None, None, None, True, 0.0, 1e-3, False)
+
+
+def _with_running_statistics(layer: nn.BatchNorm1d) -> nn.BatchNorm1d:
+    with torch.no_grad():
+        layer.running_mean.uniform_(-1, 1)
+        layer.running_var.uniform_(0.5, 2)
+    return layer
+
+
 LAYERS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
+    "subclass-with-its-own-forward": (lambda: nn.Sequential(nn.Linear(4, 6), _BNReLU(6), nn.Linear(6, 2)), (7, 4)),
+    "functional-calls-in-own-code": (lambda: nn.Sequential(nn.Linear(4, 5), _FunctionalNorm(5)), (7, 4)),
     "bn1d": (lambda: nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 2)), (7, 4)),
     "bn1d-sequence": (lambda: nn.Sequential(nn.Conv1d(3, 4, 2), nn.BatchNorm1d(4), nn.Flatten()), (7, 3, 5)),
     "bn2d-cumulative": (
@@ -46,6 +78,11 @@ LAYERS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
         (7, 4),
     ),
     "called-twice": (_Twice, (7, 4)),
+    "eval-without-running-stats": (
+        lambda: nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6, track_running_stats=False)).eval(),
+        (7, 4),
+    ),
+    "eval-with-running-stats": (lambda: _with_running_statistics(nn.BatchNorm1d(4)).eval(), (7, 4)),
     "sync-batchnorm-class": (lambda: nn.Sequential(nn.Linear(4, 3), nn.SyncBatchNorm(3)), (7, 4)),
 }
 
@@ -74,6 +111,91 @@ def test_outputs_gradients_and_running_statistics_equal_one_device(name: str, de
         torch.testing.assert_close(theirs.grad, ours.grad, atol=1e-10, rtol=1e-10, msg=f"gradient of {key}")
     for (key, ours), theirs in zip(single.named_buffers(), parallel.buffers(), strict=True):
         torch.testing.assert_close(theirs, ours, atol=1e-12, rtol=0, msg=f"buffer {key}")
+
+
+@pytest.mark.usefixtures("float64")
+def test_every_call_of_a_module_whose_own_code_normalises_equals_one_device() -> None:
+    torch.manual_seed(1)
+    single = nn.Sequential(nn.Linear(4, 5), _FunctionalNorm(5))
+    parallel = copy.deepcopy(single)
+    wrapper = MGPUDataParallel(parallel, [torch.device("cpu")] * 2)
+    try:
+        for rows in (7, 5, 6):
+            x = torch.randn(rows, 4)
+            torch.testing.assert_close(wrapper(x), single(x), atol=1e-12, rtol=0)
+    finally:
+        wrapper.close()
+    torch.testing.assert_close(parallel[1].mean, single[1].mean, atol=1e-12, rtol=0)
+
+
+def test_a_module_that_never_normalises_runs_later_calls_without_watching_torch_functions() -> None:
+    depths: list[int | None] = []
+
+    class Watched(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            depths.append(_compat.function_mode_depth())
+            return super().forward(x)
+
+    wrapper = MGPUDataParallel(Watched(4, 2), [torch.device("cpu")] * 2)
+    try:
+        for _ in range(3):
+            wrapper(torch.randn(6, 4))
+    finally:
+        wrapper.close()
+    assert depths == [1, 1, 0, 0, 0, 0]
+
+
+@pytest.mark.usefixtures("float64")
+def test_a_compiled_batchnorm_subclass_equals_one_device() -> None:
+    torch.manual_seed(1)
+    single = nn.Sequential(nn.Linear(4, 6), _BNReLU(6), nn.Linear(6, 2))
+    parallel = copy.deepcopy(single)
+    parallel[1].compile(backend="eager")
+    x = torch.randn(7, 4)
+    expected = single(x)
+    expected.pow(2).sum().backward()
+    wrapper = MGPUDataParallel(parallel, [torch.device("cpu")] * 2)
+    try:
+        output = wrapper(x)
+        output.pow(2).sum().backward()
+    finally:
+        wrapper.close()
+    torch.testing.assert_close(output, expected, atol=1e-12, rtol=0)
+    for (key, ours), theirs in zip(single.named_parameters(), parallel.parameters(), strict=True):
+        torch.testing.assert_close(theirs.grad, ours.grad, atol=1e-10, rtol=1e-10, msg=f"gradient of {key}")
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["module.compile", "torch.compile"])
+def test_batchnorm_compiled_with_fullgraph_is_refused_before_any_replica_runs(in_place: bool) -> None:
+    block = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6))
+    if in_place:
+        block.compile(fullgraph=True, backend="eager")
+        model = nn.Sequential(block, nn.Linear(6, 1))
+        refused = "`0.1`"
+    else:
+        model = nn.Sequential(torch.compile(block, fullgraph=True, backend="eager"), nn.Linear(6, 1))
+        refused = "`0._orig_mod.1`"
+    with pytest.raises(ConfigurationError) as caught:
+        MGPUDataParallel(model, [torch.device("cpu")] * 2)
+    assert refused in str(caught.value)
+    if in_place:
+        assert "inside a module compiled with fullgraph=True" in str(caught.value)
+    MGPUDataParallel(model, [torch.device("cpu")] * 2, sync_batchnorm=False).close()
+    MGPUDataParallel(model, [torch.device("cpu")]).close()
+
+
+def test_half_precision_inputs_keep_their_dtype_and_match_one_device() -> None:
+    torch.manual_seed(0)
+    layer = nn.BatchNorm1d(3).to(torch.bfloat16)
+    x = (torch.randn(8, 3) * 2 + 1).to(torch.bfloat16)
+    expected = copy.deepcopy(layer)(x)
+    wrapper = MGPUDataParallel(layer, [torch.device("cpu")] * 2)
+    try:
+        output = wrapper(x)
+    finally:
+        wrapper.close()
+    assert output.dtype == torch.bfloat16
+    torch.testing.assert_close(output, expected, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.usefixtures("float64")
@@ -128,19 +250,20 @@ def test_the_error_of_the_failing_replica_is_reported_and_nobody_waits() -> None
 
 
 class _Normalised(Regressor):
-    def __init__(self) -> None:
+    def __init__(self, layer: type[nn.BatchNorm1d] = nn.BatchNorm1d) -> None:
         super().__init__()
         torch.manual_seed(1)
-        self.net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 1))
+        self.net = nn.Sequential(nn.Linear(4, 8), layer(8), nn.Tanh(), nn.Linear(8, 1))
 
 
 def _fit(model: nn.Module, **overrides: Any) -> None:
     trainer(max_steps=4, max_epochs=2, **overrides).fit(model, loader(regression_data(), 7))
 
 
+@pytest.mark.parametrize("layer", [nn.BatchNorm1d, _BNReLU], ids=["BatchNorm1d", "subclass"])
 @pytest.mark.parametrize("devices", [2, 3])
-def test_training_with_batchnorm_equals_one_device(devices: int) -> None:
-    single, parallel = _Normalised(), _Normalised()
+def test_training_with_batchnorm_equals_one_device(devices: int, layer: type[nn.BatchNorm1d]) -> None:
+    single, parallel = _Normalised(layer), _Normalised(layer)
     _fit(single)
     _fit(parallel, devices=devices, strategy="mgpu_dp")
     assert_same_parameters(parameters(single), parameters(parallel))

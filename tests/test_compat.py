@@ -110,13 +110,19 @@ def test_function_mode_depth_counts_active_modes() -> None:
         assert _compat.function_mode_depth() == 1
 
 
-def test_the_batchnorm_base_class_and_its_input_check() -> None:
+def test_the_batchnorm_base_class() -> None:
     for layer in (nn.BatchNorm1d(3), nn.BatchNorm2d(3), nn.SyncBatchNorm(3), nn.LazyBatchNorm1d()):
         assert isinstance(layer, _compat.BatchNorm), type(layer).__name__
     assert not isinstance(nn.LayerNorm(3), _compat.BatchNorm)
-    _compat.check_batchnorm_input(nn.BatchNorm1d(3), torch.randn(4, 3))
-    with pytest.raises(ValueError, match="expected 2D or 3D input"):
-        _compat.check_batchnorm_input(nn.BatchNorm1d(3), torch.randn(4, 3, 2, 2))
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_compiled_with_fullgraph_reads_both_ways_of_compiling(fullgraph: bool) -> None:
+    in_place = nn.Linear(2, 2)
+    in_place.compile(fullgraph=fullgraph, backend="eager")
+    assert _compat.compiled_with_fullgraph(in_place) is fullgraph
+    assert _compat.compiled_with_fullgraph(torch.compile(nn.Linear(2, 2), fullgraph=fullgraph)) is fullgraph
+    assert not _compat.compiled_with_fullgraph(nn.Linear(2, 2))
 
 
 def test_a_replica_device_is_what_the_lightning_module_reports() -> None:

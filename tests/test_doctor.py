@@ -80,9 +80,10 @@ def test_step_output_difference_that_the_hook_absorbs_is_a_warning() -> None:
     assert "it may not for chunks of unequal size" in report.findings[0].message
 
 
-def test_batchnorm_in_the_step_is_exact_with_the_whole_batch_statistics() -> None:
-    # mgpu_dp's default: every replica normalises with the statistics of the whole batch.
-    report = doctor("BatchNormNet")
+@pytest.mark.parametrize("name", ["BatchNormNet", "BatchNormSubclassNet"])
+def test_batchnorm_in_the_step_is_exact_with_the_whole_batch_statistics(name: str) -> None:
+    # mgpu_dp's default: every replica normalises with the statistics of the whole batch, subclasses included.
+    report = doctor(name)
     assert report.findings == []
     assert set(verdicts(report).values()) == {"same"}
     assert {"layer.1.running_mean", "layer.1.running_var", "step output", "output"} <= set(verdicts(report))

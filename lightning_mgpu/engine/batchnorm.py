@@ -1,26 +1,43 @@
-"""BatchNorm across replicas: every replica normalises its chunk with the statistics of the whole batch.
+"""BatchNorm across replicas: every batch-norm call that normalises by batch statistics uses the whole batch's.
 
-A BatchNorm layer in training mode normalises by the mean and variance of the batch it sees. Split across replicas,
+A batch-norm call in training mode normalises by the mean and variance of the batch it sees. Split across replicas,
 each chunk would be normalised by its own statistics, which changes every output, gradient and running statistic
-compared with one device. Here the replicas of one call exchange per-channel sums (the replicas are threads of one
-process, so the exchange is a hand-over of tensors within one autograd graph), and each normalises by the statistics
-of the whole batch; gradients flow through the exchanged sums as they flow through one device's batch statistics.
-Replica 0, which holds the module's own buffers, updates the running statistics as one device would.
+compared with one device. Each replica thread therefore runs under ``WholeBatchNorm``, a torch function mode that sees
+every call of torch's batch-norm function (``F.batch_norm``, ``torch.batch_norm``) however it is reached: from a
+BatchNorm layer's own forward, from a subclass's forward through ``super().forward()`` (timm's ``BatchNormAct2d``
+normalises, then drops and activates), or from a module's own code. No method of any module is replaced, so every
+layer's forward runs as written and only the normalisation inside it spans the whole batch.
+
+The replicas of one call exchange per-channel sums (the replicas are threads of one process, so the exchange is a
+hand-over of tensors within one autograd graph), and each normalises by the statistics of the whole batch; gradients
+flow through the exchanged sums as they flow through one device's batch statistics. Running statistics handed to the
+call are updated as torch's function updates them, so replica 0, which holds the module's own buffers, keeps them as
+one device would.
+
+A module compiled with ``fullgraph=True`` cannot leave its graph for the exchange; ``check_exchangeable`` names its
+BatchNorm layers before any replica runs.
 """
 
 from __future__ import annotations
 
-import functools
 import threading
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from itertools import chain
 from typing import Any
 
 import torch
+import torch.nn.functional as F  # noqa: N812 - torch's own spelling
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
-from lightning_mgpu._compat import BatchNorm, check_batchnorm_input
+from lightning_mgpu import _compat
+from lightning_mgpu._compat import BatchNorm
+from lightning_mgpu.errors import ConfigurationError
 
 _EMPTY = object()
+
+_BatchNormKey = tuple[str | None, int]
+"""A batch-norm call of one replica: the layer whose tensors it got (``None`` for none), and its call count there."""
 
 
 class ReplicaRendezvous:
@@ -39,22 +56,25 @@ class ReplicaRendezvous:
         self._finished: set[int] = set()
         self._failed: BaseException | None = None
 
-    def all_gather(self, index: int, key: Hashable, value: Any) -> list[Any]:
-        """Give ``value`` as replica ``index``'s entry under ``key`` and return every replica's entry, in order."""
+    def all_gather(self, index: int, key: Hashable, value: Any, what: str) -> list[Any]:
+        """Give ``value`` as replica ``index``'s entry under ``key`` and return every replica's entry, in order.
+
+        ``what`` describes the key for the errors: a replica that finished without contributing, or a timeout.
+        """
         with self._condition:
             values = self._values.setdefault(key, [_EMPTY] * self._parties)
             values[index] = value
             self._condition.notify_all()
             while True:
                 if self._failed is not None:
-                    raise RendezvousAborted(f"replica {index} stopped waiting at {key}: another replica failed")
+                    raise RendezvousAborted(f"replica {index} stopped waiting at {what}: another replica failed")
                 missing = [other for other, entry in enumerate(values) if entry is _EMPTY]
                 if not missing:
                     return list(values)
                 finished = [other for other in missing if other in self._finished]
                 if finished:
                     raise RuntimeError(
-                        f"{_describe(key)} ran in replica {index} but replica(s) {', '.join(map(str, finished))}"
+                        f"{what} ran in replica {index} but replica(s) {', '.join(map(str, finished))}"
                         " finished the step without running it, so the batch statistics cannot span the whole"
                         " batch. Call the layer the same number of times in every replica (not under a condition"
                         " that depends on the data), or switch the cross-replica statistics off:"
@@ -62,7 +82,7 @@ class ReplicaRendezvous:
                     )
                 if not self._condition.wait(self._timeout):
                     raise TimeoutError(
-                        f"replica {index} waited {self._timeout:.0f} s at {_describe(key)} for replica(s)"
+                        f"replica {index} waited {self._timeout:.0f} s at {what} for replica(s)"
                         f" {', '.join(map(str, missing))}."
                     )
 
@@ -83,76 +103,178 @@ class RendezvousAborted(RuntimeError):
     """Raised in a replica that was waiting for another replica that failed; the other's error is the one to read."""
 
 
-def _describe(key: Hashable) -> str:
-    if isinstance(key, tuple) and len(key) >= 2:
-        return f"BatchNorm layer `{key[0] or 'the module'}` (call {key[1] + 1})"
-    return str(key)
+class WholeBatchNorm(TorchFunctionMode):
+    """In replica ``index``'s thread, normalise every batch-norm call in training mode by the whole batch.
+
+    Calls are matched across replicas by the layer whose parameters or running statistics they receive and by how
+    often that layer ran before in the call, so replicas whose layers run in the same order per layer exchange the
+    right statistics; a call that gets no tensor of a layer is matched by its order among such calls.
+
+    Args:
+        rendezvous: where the replicas of this call exchange their sums.
+        index: this replica's position among them.
+        replica: this replica's module, whose tensors name the layer of each call.
+    """
+
+    def __init__(self, rendezvous: ReplicaRendezvous, index: int, replica: nn.Module) -> None:
+        super().__init__()
+        self.rendezvous = rendezvous
+        self.index = index
+        self.replica = replica
+        self.calls = 0
+        """How many calls used batch statistics, so a caller can tell whether the module makes any."""
+        self._per_layer: dict[str | None, int] = {}
+        self._layers: dict[int, str] | None = None
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        """Route batch-norm calls that use batch statistics through the exchange; run everything else as it is."""
+        kwargs = kwargs or {}
+        if func is F.batch_norm or func is torch.batch_norm:
+            return self._batch_norm(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    @torch.compiler.disable
+    def _batch_norm(self, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        # Inside a compiled module the exchange runs between graphs: waiting for other threads is not traceable.
+        call = _BatchNormCall.parse(func, args, kwargs)
+        return func(*args, **kwargs) if call is None else self._normalise(call)
+
+    def _normalise(self, call: _BatchNormCall) -> torch.Tensor:
+        self.calls += 1
+        layer = self._layer_of(call.weight, call.running_mean, call.bias, call.running_var)
+        count = self._per_layer.get(layer, 0) + 1
+        self._per_layer[layer] = count
+        key: _BatchNormKey = (layer, count)
+        what = _describe(key)
+        x = call.input
+        computed = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        reduced = [0, *range(2, x.dim())]
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        rows = x.numel() // max(x.shape[1], 1)
+        sums = self.rendezvous.all_gather(self.index, (key, "sum"), (computed.sum(reduced), rows), what)
+        total = sum(rows for _, rows in sums)
+        if total <= 1:
+            # torch's own refusal, for the whole batch: one value per channel has no variance.
+            raise ValueError(f"Expected more than 1 value per channel when training, got input size {list(x.shape)}")
+        mean = sum(part.to(x.device) for part, _ in sums) / total
+        centred = computed - mean.reshape(shape)
+        squares = self.rendezvous.all_gather(self.index, (key, "squares"), centred.pow(2).sum(reduced), what)
+        variance = sum(part.to(x.device) for part in squares) / total
+        output = centred * torch.rsqrt(variance + call.eps).reshape(shape)
+        if call.weight is not None:
+            output = output * call.weight.reshape(shape)
+        if call.bias is not None:
+            output = output + call.bias.reshape(shape)
+        if call.running_mean is not None or call.running_var is not None:
+            _update_running_statistics(call, mean.detach(), variance.detach() * (total / (total - 1)))
+        return output.to(x.dtype)
+
+    def _layer_of(self, *tensors: torch.Tensor | None) -> str | None:
+        """The path of the module that owns the first of ``tensors`` it owns; ``None`` when it owns none."""
+        if self._layers is None:
+            self._layers = {
+                id(tensor): path
+                for path, module in self.replica.named_modules()
+                for _, tensor in chain(module.named_parameters(recurse=False), module.named_buffers(recurse=False))
+            }
+        for tensor in tensors:
+            if tensor is not None:
+                path = self._layers.get(id(tensor))
+                if path is not None:
+                    return path
+        return None
 
 
-def batchnorm_paths(module: nn.Module) -> list[tuple[int, str]]:
-    """The positions in ``module.modules()`` and the names of its BatchNorm layers."""
-    names = {id(layer): name for name, layer in module.named_modules()}
-    return [
-        (position, names[id(layer)]) for position, layer in enumerate(module.modules()) if isinstance(layer, BatchNorm)
-    ]
+class _BatchNormCall:
+    """The arguments of a call of ``F.batch_norm`` or ``torch.batch_norm`` that normalises by batch statistics."""
 
+    __slots__ = ("bias", "eps", "input", "momentum", "running_mean", "running_var", "weight")
 
-def synchronise(
-    replicas: Sequence[nn.Module], layers: Sequence[tuple[int, str]], rendezvous: ReplicaRendezvous
-) -> None:
-    """Make the BatchNorm layers at ``layers`` of each replica normalise with the whole batch's statistics."""
-    for index, replica in enumerate(replicas):
-        modules = list(replica.modules())
-        calls: dict[str, int] = {}
-        for position, name in layers:
-            layer = modules[position]
-            assert isinstance(layer, BatchNorm)
-            layer.__dict__["forward"] = functools.partial(_forward, layer, name, index, rendezvous, calls)
+    _FUNCTIONAL = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
+    _FUNCTIONAL_DEFAULTS: dict[str, Any] = {
+        "weight": None,
+        "bias": None,
+        "training": False,
+        "momentum": 0.1,
+        "eps": 1e-5,
+    }
+    _TORCH = ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps", "cudnn_enabled")
 
+    def __init__(self, arguments: dict[str, Any]) -> None:
+        self.input: torch.Tensor = arguments["input"]
+        self.running_mean: torch.Tensor | None = arguments["running_mean"]
+        self.running_var: torch.Tensor | None = arguments["running_var"]
+        self.weight: torch.Tensor | None = arguments["weight"]
+        self.bias: torch.Tensor | None = arguments["bias"]
+        self.momentum: float | None = arguments["momentum"]
+        self.eps: float = arguments["eps"]
 
-def _forward(
-    layer: BatchNorm,
-    name: str,
-    index: int,
-    rendezvous: ReplicaRendezvous,
-    calls: dict[str, int],
-    x: torch.Tensor,
-) -> torch.Tensor:
-    check_batchnorm_input(layer, x)
-    uses_batch_statistics = layer.training or (layer.running_mean is None and layer.running_var is None)
-    if not uses_batch_statistics:
-        return type(layer).forward(layer, x)
-    call = calls.get(name, 0)
-    calls[name] = call + 1
-    reduced = [0, *range(2, x.dim())]
-    shape = [1, -1] + [1] * (x.dim() - 2)
-    rows = x.numel() // max(x.shape[1], 1)
-    sums = rendezvous.all_gather(index, (name, call, "sum"), (x.sum(reduced), rows))
-    count = sum(rows for _, rows in sums)
-    if count <= 1:
-        raise ValueError(f"Expected more than 1 value per channel when training, got input size {list(x.shape)}")
-    mean = sum(total.to(x.device) for total, _ in sums) / count
-    centred = x - mean.reshape(shape)
-    squares = rendezvous.all_gather(index, (name, call, "squares"), centred.pow(2).sum(reduced))
-    variance = sum(total.to(x.device) for total in squares) / count
-    output = centred * torch.rsqrt(variance + layer.eps).reshape(shape)
-    if layer.weight is not None:
-        output = output * layer.weight.reshape(shape)
-    if layer.bias is not None:
-        output = output + layer.bias.reshape(shape)
-    if index == 0 and layer.training and layer.track_running_stats:
-        _update_running_statistics(layer, mean.detach(), variance.detach() * (count / (count - 1)))
-    return output
+    @classmethod
+    def parse(cls, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> _BatchNormCall | None:
+        """The call's arguments when it normalises a tensor by its batch statistics; ``None`` for anything else.
+
+        Calls in evaluation mode, and calls torch would refuse (missing arguments, an input without channels), are
+        left to torch, which computes or refuses them as it would on one device.
+        """
+        order = cls._FUNCTIONAL if func is F.batch_norm else cls._TORCH
+        defaults = cls._FUNCTIONAL_DEFAULTS if func is F.batch_norm else {}
+        if len(args) > len(order) or any(name not in order for name in kwargs):
+            return None
+        arguments = {**defaults, **dict(zip(order, args, strict=False)), **kwargs}
+        if any(name not in arguments for name in order if name != "cudnn_enabled"):
+            return None
+        x = arguments["input"]
+        if not arguments["training"] or not isinstance(x, torch.Tensor) or x.dim() < 2:
+            return None
+        return cls(arguments)
 
 
 @torch.no_grad()
-def _update_running_statistics(layer: BatchNorm, mean: torch.Tensor, unbiased_variance: torch.Tensor) -> None:
-    factor = 0.0 if layer.momentum is None else layer.momentum
-    if layer.num_batches_tracked is not None:
-        layer.num_batches_tracked.add_(1)
-        if layer.momentum is None:
-            factor = 1.0 / float(layer.num_batches_tracked)
-    if layer.running_mean is not None:
-        layer.running_mean.mul_(1 - factor).add_(mean.to(layer.running_mean.dtype), alpha=factor)
-    if layer.running_var is not None:
-        layer.running_var.mul_(1 - factor).add_(unbiased_variance.to(layer.running_var.dtype), alpha=factor)
+def _update_running_statistics(call: _BatchNormCall, mean: torch.Tensor, unbiased_variance: torch.Tensor) -> None:
+    factor = 0.0 if call.momentum is None else call.momentum
+    if call.running_mean is not None:
+        call.running_mean.mul_(1 - factor).add_(mean.to(call.running_mean.dtype), alpha=factor)
+    if call.running_var is not None:
+        call.running_var.mul_(1 - factor).add_(unbiased_variance.to(call.running_var.dtype), alpha=factor)
+
+
+def _describe(key: _BatchNormKey) -> str:
+    layer, count = key
+    if layer is None:
+        return f"batch-norm call {count} without a layer's parameters or statistics"
+    return f"BatchNorm layer `{layer or 'the module'}` (call {count})"
+
+
+def batchnorm_layers(module: nn.Module) -> list[str]:
+    """The paths of ``module``'s BatchNorm layers (``BatchNorm1d/2d/3d``, ``SyncBatchNorm`` and their subclasses)."""
+    return [name for name, layer in module.named_modules() if isinstance(layer, BatchNorm)]
+
+
+def check_exchangeable(module: nn.Module, owner: str) -> None:
+    """Refuse BatchNorm layers that cannot take part in the exchange, naming them, before any replica runs.
+
+    A module compiled with ``fullgraph=True`` must run as one graph, and the exchange with the other replicas cannot
+    be part of a graph: its BatchNorm layers would stop the first step with an error from deep inside the compiler.
+    """
+    refused = sorted(
+        {
+            ".".join(part for part in (prefix, name) if part) or "the module"
+            for prefix, compiled in module.named_modules()
+            if _compat.compiled_with_fullgraph(compiled)
+            for name in batchnorm_layers(compiled)
+        }
+    )
+    if refused:
+        raise ConfigurationError(
+            f"{owner} normalises BatchNorm layers by the whole batch's statistics, exchanged between the replicas"
+            f" during the forward, but {', '.join(f'`{path}`' for path in refused)} run(s) inside a module compiled"
+            " with fullgraph=True, which cannot pause for the exchange. Compile without fullgraph=True (the"
+            " exchange then runs between graphs), or normalise each chunk by its own statistics with"
+            " sync_batchnorm=False (which changes the results)."
+        )

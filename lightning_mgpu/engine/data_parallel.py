@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_mgpu.engine.batchnorm import ReplicaRendezvous, batchnorm_paths, synchronise
+from lightning_mgpu.engine.batchnorm import ReplicaRendezvous, WholeBatchNorm, batchnorm_layers, check_exchangeable
 from lightning_mgpu.engine.gather import gather
 from lightning_mgpu.engine.parallel_apply import ContextFactory, ParallelApply
 from lightning_mgpu.engine.replicate import ReplicaCache, all_on, modules_of
@@ -105,7 +105,9 @@ class MGPUDataParallel(nn.Module):
         self._apply_in_threads = ParallelApply(len(self.devices))
         self._replicate = ReplicaCache()
         self.sync_batchnorm = sync_batchnorm
-        self._batchnorms: tuple[object, list[tuple[int, str]]] = (None, [])
+        self._batch_statistics = _BatchStatistics()
+        if sync_batchnorm and len(self.devices) > 1:
+            check_exchangeable(module, type(self).__name__)
         self._batch_layouts: dict[str, LayoutMemory] = {}
         self._output_layouts: dict[str, LayoutMemory] = {}
         self._chunk_weights: tuple[float, ...] | None = None
@@ -225,12 +227,14 @@ class MGPUDataParallel(nn.Module):
         if prepare_replica is not None:
             for index, (replica, device, rows) in enumerate(zip(replicas, devices, sizes, strict=True)):
                 prepare_replica(replica, index, len(replicas), device, rows)
-        rendezvous = self._synchronise_batchnorms(replicas)
+        exchange = self._batch_statistics_exchange(method, replicas)
         bound = [
-            _bind(replica if method is None else getattr(replica, method), args, kwargs, index, rendezvous)
+            _bind(replica if method is None else getattr(replica, method), args, kwargs, exchange, index, replica)
             for index, (replica, (args, kwargs)) in enumerate(zip(replicas, calls, strict=True))
         ]
         outputs = self._apply_in_threads(bound, devices, context)
+        if exchange is not None:
+            self._batch_statistics.record(method, exchange)
         self._replicate.keep_reassigned_buffers()
         if devices[0] != self.root_device:
             self._return_buffers_to_root()
@@ -263,18 +267,14 @@ class MGPUDataParallel(nn.Module):
                         f" {tensor.device}. Move the module there before calling the wrapper: module.to({str(root)!r})."
                     )
 
-    def _synchronise_batchnorms(self, replicas: list[nn.Module]) -> ReplicaRendezvous | None:
+    def _batch_statistics_exchange(self, method: str | None, replicas: list[nn.Module]) -> _Exchange | None:
+        """The exchange of batch statistics for this call, or ``None`` where no batch-norm call needs one."""
         if not self.sync_batchnorm or len(replicas) < 2:
             return None
-        structure = self._replicate.structure
-        if self._batchnorms[0] is not structure:
-            self._batchnorms = (structure, batchnorm_paths(self.module))
-        layers = self._batchnorms[1]
-        if not layers:
+        module: nn.Module = self._modules["module"]  # type: ignore[assignment]
+        if not self._batch_statistics.needed(self._replicate.structure, method, module):
             return None
-        rendezvous = ReplicaRendezvous(len(replicas))
-        synchronise(replicas, layers, rendezvous)
-        return rendezvous
+        return _Exchange(ReplicaRendezvous(len(replicas)), len(replicas))
 
     def close(self) -> None:
         """Stop the replica threads."""
@@ -349,27 +349,72 @@ def _layouts(memories: dict[str, LayoutMemory], method: str) -> LayoutMemory:
     return memory
 
 
+class _Exchange:
+    """The rendezvous of one call's replicas, and how many batch-norm calls each made through it."""
+
+    def __init__(self, rendezvous: ReplicaRendezvous, replicas: int) -> None:
+        self.rendezvous = rendezvous
+        self.calls = [0] * replicas
+
+
+class _BatchStatistics:
+    """Decides, per call, whether the replicas need the exchange of batch statistics.
+
+    A model with a BatchNorm layer always gets it. Without one, batch-norm calls can only come from a module's own
+    code (``F.batch_norm`` in training mode), so the first call of each method on a structure runs with the exchange
+    to find out; later calls get it when any call did normalise, and skip the cost of watching every torch function
+    when none did.
+    """
+
+    def __init__(self) -> None:
+        self._structure: object = None
+        self._layers = False
+        self._seen: set[str | None] = set()
+        self._normalised = False
+
+    def needed(self, structure: object, method: str | None, module: nn.Module) -> bool:
+        """Whether the replicas of ``module``'s ``method`` call on ``structure`` run with the exchange."""
+        if structure is not self._structure:
+            self._structure = structure
+            self._layers = bool(batchnorm_layers(module))
+            self._seen = set()
+            self._normalised = False
+        return self._layers or self._normalised or method not in self._seen
+
+    def record(self, method: str | None, exchange: _Exchange) -> None:
+        """What one call with the exchange showed: whether ``method`` made batch-norm calls."""
+        self._seen.add(method)
+        self._normalised = self._normalised or any(exchange.calls)
+
+
 def _bind(
     function: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    exchange: _Exchange | None,
     index: int,
-    rendezvous: ReplicaRendezvous | None,
+    replica: nn.Module,
 ) -> Callable[[], Any]:
-    if rendezvous is None:
+    if exchange is None:
 
         def call() -> Any:
             return function(*args, **kwargs)
 
         return call
 
-    def call_in_rendezvous() -> Any:
+    rendezvous = exchange.rendezvous
+
+    def call_with_whole_batch_statistics() -> Any:
+        mode = WholeBatchNorm(rendezvous, index, replica)
         try:
-            result = function(*args, **kwargs)
+            with mode:
+                result = function(*args, **kwargs)
         except BaseException as error:
             rendezvous.abort(error)
             raise
+        finally:
+            exchange.calls[index] = mode.calls
         rendezvous.finish(index)
         return result
 
-    return call_in_rendezvous
+    return call_with_whole_batch_statistics
