@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from lightning_mgpu.checks import Finding, check_model
+from lightning_mgpu.checks import Finding, allow_plain_tensors, check_model
 from lightning_mgpu.engine import MGPUDataParallel
 from lightning_mgpu.engine.scatter import Fields, PerSample
 from lightning_mgpu.errors import BatchSplitError, ConfigurationError, GatherError, ModelCheckError
@@ -54,6 +54,7 @@ __all__ = [
     "PerSample",
     "__version__",
     "add_local_rank_argument",
+    "allow_plain_tensors",
     "check_model",
     "parse_local_rank",
     "register_parameters",

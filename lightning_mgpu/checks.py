@@ -3,14 +3,19 @@
 Each finding names the attribute and the fix. Errors stop ``fit`` under the ``mgpu_*`` strategies; warnings are
 shown once. The doctor runs the same model checks.
 
-The checks judge only the model's own code. torch, torchmetrics and Lightning keep bookkeeping of their own in plain
-attributes (an RNN's list of its flat weights, the tensor that ``weight_norm`` recomputes before every forward, a
-metric's states) and handle it themselves; flagging it would refuse stock models and give advice that breaks them.
-An attribute is theirs when a class of theirs in the module's MRO stores it (read from that class's source, so a
-subclass of ``nn.LSTM`` in your code inherits the exemption for ``_flat_weights`` but not for what the subclass
-adds), when a forward pre-hook of theirs recomputes it (``weight_norm``, ``spectral_norm``, ``torch.nn.utils.prune``),
-or when Lightning puts it on every module. The same plain list written in your code, even one that only repeats
-registered parameters, is still a finding: replicas would read the original tensors through it.
+The checks judge only the model's own code. torch, torchmetrics, Lightning and the model libraries (torchvision, timm,
+transformers, ...: ``_LIBRARY_PACKAGES``) keep bookkeeping of their own in plain attributes (an RNN's list of its flat
+weights, the tensor that ``weight_norm`` recomputes before every forward, a metric's states, a detector's anchors)
+and handle it themselves; flagging it would refuse stock models and give advice that breaks them. An attribute is
+theirs when a class of theirs in the module's MRO stores it (read from that class's source, so a subclass of
+``nn.LSTM`` in your code inherits the exemption for ``_flat_weights`` but not for what the subclass adds), when a
+forward pre-hook of theirs recomputes it (``weight_norm``, ``spectral_norm``, ``torch.nn.utils.prune``), or when
+Lightning puts it on every module. The same plain list written in your code, even one that only repeats registered
+parameters, is still a finding: replicas would read the original tensors through it.
+
+Only what is certainly wrong is an error: parameters and modules in plain containers, which are never trained or
+replicated, and lazy parameters. Tensors outside parameters and buffers are warnings, because code that moves them to
+its input's device works; ``allow_plain_tensors`` says so per attribute and silences them.
 """
 
 from __future__ import annotations
@@ -106,7 +111,36 @@ def _gpus_asked_for(devices: object) -> int | list[int] | None:
 
 # Model checks: multi-GPU traps that show in a model's structure.
 # Packages whose classes and utilities look after the attributes they store; the checks judge everything else.
-_STOCK_PACKAGES = frozenset({"torch", "torchmetrics", "lightning", "pytorch_lightning", "lightning_fabric"})
+# Model libraries are judged as torch is: their models train on DataParallel and DDP every day.
+_LIBRARY_PACKAGES = frozenset(
+    {
+        "torch",
+        "torchmetrics",
+        "lightning",
+        "pytorch_lightning",
+        "lightning_fabric",
+        "torchvision",
+        "torchaudio",
+        "torchtext",
+        "timm",
+        "transformers",
+        "diffusers",
+        "peft",
+        "sentence_transformers",
+        "open_clip",
+        "torch_geometric",
+        "segmentation_models_pytorch",
+        "monai",
+        "ultralytics",
+        "detectron2",
+        "mmcv",
+        "mmengine",
+        "mmdet",
+        "fairseq",
+    }
+)
+_PLAIN_TENSORS_ALLOWED = "_mgpu_plain_tensors_allowed"
+"""The instance attribute where ``allow_plain_tensors`` keeps the names it was given."""
 
 
 @dataclass(frozen=True)
@@ -126,6 +160,35 @@ class Finding:
     message: str
 
 
+def allow_plain_tensors(module: nn.Module, *names: str) -> None:
+    """Tell the model checks that these attributes of ``module`` hold plain tensors on purpose.
+
+    For constants that the module's own code moves to the device of the data it meets (``anchors.to(x.device)``), so
+    that every replica computes on its own device: the checks stop warning about a tensor, or a plain list, tuple or
+    dict of tensors, kept in these attributes. Parameters and modules in plain containers are still errors: they
+    would not be trained, saved or replicated.
+
+    Raises:
+        ConfigurationError: for a name that is not a plain attribute of ``module`` (set it first), or one that is a
+            registered parameter, buffer or submodule, which needs no permission.
+    """
+    registered = [name for name in names if name in module._parameters or name in module._buffers]
+    registered += [name for name in names if name in module._modules]
+    missing = [name for name in names if name not in vars(module) and name not in registered]
+    if registered or missing:
+        problems = []
+        if missing:
+            problems.append(f"{', '.join(map(repr, missing))} is not an attribute of it yet (assign it first)")
+        if registered:
+            problems.append(f"{', '.join(map(repr, registered))} is a registered parameter, buffer or submodule")
+        raise ConfigurationError(
+            f"allow_plain_tensors({type(module).__name__}, ...): {'; '.join(problems)}. Name the attributes that"
+            " hold plain tensors, after assigning them: allow_plain_tensors(self, 'anchors')."
+        )
+    allowed = vars(module).get(_PLAIN_TENSORS_ALLOWED, frozenset())
+    module.__dict__[_PLAIN_TENSORS_ALLOWED] = allowed | frozenset(names)
+
+
 def check_model(module: nn.Module) -> list[Finding]:
     """Every structural multi-GPU trap that your code put in ``module`` and its submodules.
 
@@ -137,12 +200,18 @@ def check_model(module: nn.Module) -> list[Finding]:
     for prefix, submodule in module.named_modules():
         if isinstance(submodule, Metric):
             continue  # torchmetrics keeps its states as attributes on purpose and moves them itself
-        for name, value in vars(submodule).items():
-            if name in baseline:
+        state = vars(submodule)
+        allowed = state.get(_PLAIN_TENSORS_ALLOWED, frozenset())
+        for name, value in state.items():
+            if name in baseline or name == _PLAIN_TENSORS_ALLOWED:
                 continue
             where = f"{prefix}.{name}" if prefix else name
-            found = _check_attribute(where, value)
-            if found and not _stored_by_stock_code(submodule, name):
+            found = [
+                finding
+                for finding in _check_attribute(where, value)
+                if not (name in allowed and finding.check in _ONLY_TENSORS)
+            ]
+            if found and not _stored_by_library_code(submodule, name):
                 findings.extend(found)
     findings.extend(
         Finding(
@@ -195,21 +264,21 @@ def _frame_without_callers() -> types.FrameType | None:
     return generator.gi_frame
 
 
-def _stored_by_stock_code(module: nn.Module, name: str) -> bool:
-    """Whether attribute ``name`` of ``module`` is kept by torch, torchmetrics or Lightning, not by the model's code."""
-    if name in names_rewritten_by_hooks(module, _is_stock):
+def _stored_by_library_code(module: nn.Module, name: str) -> bool:
+    """Whether attribute ``name`` of ``module`` is kept by a library's class (``_LIBRARY_PACKAGES``), not by you."""
+    if name in names_rewritten_by_hooks(module, _is_library):
         return True
     for cls in type(module).__mro__:
-        if _is_stock(cls):
+        if _is_library(cls):
             names = _names_stored_by(cls)
             if names is None or name in names:
                 return True
     return False
 
 
-def _is_stock(cls: type) -> bool:
+def _is_library(cls: type) -> bool:
     module_name = getattr(cls, "__module__", None)
-    return isinstance(module_name, str) and module_name.partition(".")[0] in _STOCK_PACKAGES
+    return isinstance(module_name, str) and module_name.partition(".")[0] in _LIBRARY_PACKAGES
 
 
 @functools.cache
@@ -310,13 +379,28 @@ def _check_attribute(where: str, value: Any) -> list[Finding]:
                 f"`{where}` is a tensor but neither a parameter nor a buffer, so `.to()` does not move it and every"
                 f" replica shares the one on {value.device}. Register it:"
                 f" `self.register_buffer('{where.split('.')[-1]}', tensor)` (or `nn.Parameter` if it is trained),"
-                " or create it inside the step on the input's device.",
+                " or create it inside the step on the input's device. If the module's own code moves it to the"
+                f" device of its input: `lightning_mgpu.allow_plain_tensors(self, '{where.split('.')[-1]}')`.",
             )
         ]
     if isinstance(value, (list, tuple, set, Mapping)) and not isinstance(value, (nn.Module, str)):
         kinds = sorted({_kind(item) for item in _leaves(value)} - {""})
+        container = type(value).__name__
+        name = where.split(".")[-1]
+        if kinds == ["tensor"]:
+            return [
+                Finding(
+                    "warning",
+                    "plain-tensors",
+                    where,
+                    f"`{where}` is a plain Python {container} holding tensors, which `.to()` does not move, so every"
+                    " replica reads the same ones, on the device where they were made. Register each one with"
+                    f" `self.register_buffer(...)`, or create them inside the step on the input's device. If the"
+                    " module's own code moves them to the device of its input, say so and this warning goes:"
+                    f" `lightning_mgpu.allow_plain_tensors(self, '{name}')`.",
+                )
+            ]
         if kinds:
-            container = type(value).__name__
             modules = "module" in kinds
             suggestion = "nn.ModuleList / nn.ModuleDict" if modules else "nn.ParameterList / nn.ParameterDict"
             return [
@@ -326,11 +410,15 @@ def _check_attribute(where: str, value: Any) -> list[Finding]:
                     where,
                     f"`{where}` is a plain Python {container} holding {' and '.join(kinds)}s, which are not trained,"
                     f" saved, moved to the device or replicated. Use {suggestion}, or register each one with"
-                    f" `lightning_mgpu.register_parameters(self, '{where.split('.')[-1]}', params)` /"
+                    f" `lightning_mgpu.register_parameters(self, '{name}', params)` /"
                     " `self.register_buffer(...)`.",
                 )
             ]
     return []
+
+
+_ONLY_TENSORS = frozenset({"unregistered-tensor", "plain-tensors"})
+"""The findings that ``allow_plain_tensors`` silences: tensors that are neither parameters nor buffers."""
 
 
 def _kind(value: Any) -> str:

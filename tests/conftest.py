@@ -8,6 +8,10 @@ from typing import Any
 import pytest
 import torch
 
+# Nothing is downloaded at run time: Hugging Face libraries (transformers, and the torchmetrics metrics built on it)
+# fail at once instead of retrying a hub they cannot reach. Read when huggingface_hub is first imported.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 sys.path.insert(0, os.path.dirname(__file__))
 from processes import SELECTED_LAUNCHES  # noqa: E402
 

@@ -24,7 +24,7 @@ from models import Portable, loader, regression_data, trainer
 from torch import nn
 from torch.nn.utils import parametrizations, parametrize, prune
 
-from lightning_mgpu import ModelCheckError, check_model
+from lightning_mgpu import ConfigurationError, ModelCheckError, allow_plain_tensors, check_model
 from lightning_mgpu.checks import report
 
 Factory = Callable[[], nn.Module]
@@ -363,6 +363,7 @@ def _no_network(monkeypatch: pytest.MonkeyPatch) -> None:
         raise OSError("no network in the tests")
 
     monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
 
 
 # Classes that only build with packages or downloads that the tests do not assume; every other class must build.
@@ -440,7 +441,7 @@ def test_the_users_plain_containers_and_tensors_are_found() -> None:
     assert _found(_Mistakes()) == [
         ("error", "plain-container", "params"),
         ("error", "plain-container", "heads"),
-        ("error", "plain-container", "constants"),
+        ("warning", "plain-tensors", "constants"),
         ("error", "plain-container", "nested"),
         ("error", "plain-container", "pair"),
         ("warning", "unregistered-tensor", "offset"),
@@ -452,7 +453,11 @@ def test_the_users_plain_containers_and_tensors_are_found() -> None:
     [
         ("params", r"`params` is a plain Python list holding parameters.*nn.ParameterList"),
         ("heads", r"`heads` is a plain Python dict holding modules.*nn.ModuleList / nn.ModuleDict"),
-        ("constants", r"`constants` is a plain Python tuple holding tensors"),
+        (
+            "constants",
+            r"`constants` is a plain Python tuple holding tensors.*register_buffer.*allow_plain_tensors\(self,"
+            r" 'constants'\)",
+        ),
         ("nested", r"`nested` is a plain Python dict holding parameters"),
         ("pair", r"`pair` is a plain Python list holding parameters.*register_parameters\(self, 'pair', params\)"),
         ("offset", r"`offset` is a tensor but neither a parameter nor a buffer.*register_buffer\('offset'"),
@@ -462,6 +467,54 @@ def test_each_finding_names_the_attribute_and_the_fix(where: str, pattern: str) 
     messages = {finding.where: finding.message for finding in check_model(_Mistakes())}
     assert where in messages
     assert re.search(pattern, messages[where]), messages[where]
+
+
+def test_tensors_allowed_by_name_are_not_reported_but_parameters_and_modules_still_are() -> None:
+    model = _Mistakes()
+    allow_plain_tensors(model, "constants", "offset")
+    allow_plain_tensors(model, "params", "heads")
+    assert _found(model) == [
+        ("error", "plain-container", "params"),
+        ("error", "plain-container", "heads"),
+        ("error", "plain-container", "nested"),
+        ("error", "plain-container", "pair"),
+    ]
+    copy = _Mistakes()
+    assert ("warning", "plain-tensors", "constants") in _found(copy), "the permission belongs to one instance"
+
+
+def test_allowing_an_attribute_that_is_missing_or_registered_names_it() -> None:
+    model = _Mistakes()
+    with pytest.raises(ConfigurationError) as caught:
+        allow_plain_tensors(model, "offest", "first", "constants")
+    message = str(caught.value)
+    assert "'offest' is not an attribute of it yet" in message
+    assert "'first' is a registered parameter, buffer or submodule" in message
+    assert "'constants'" not in message
+    assert "constants" in _found_where(model), "a refused call allows nothing"
+
+
+def _found_where(module: nn.Module) -> set[str]:
+    return {finding.where for finding in check_model(module)}
+
+
+def test_a_model_librarys_own_plain_attributes_pass_and_a_users_subclass_is_judged_on_its_additions() -> None:
+    from torchvision.models.detection.anchor_utils import AnchorGenerator
+
+    class UserAnchors(AnchorGenerator):
+        def __init__(self) -> None:
+            super().__init__()
+            self.offsets = [torch.zeros(2)]
+            self.extra = [nn.Parameter(torch.ones(1))]
+
+    stock = AnchorGenerator()
+    assert isinstance(stock.cell_anchors, list)
+    assert all(isinstance(anchors, torch.Tensor) for anchors in stock.cell_anchors)
+    assert _found(_Holder({"anchors": stock})) == []
+    assert _found(_Holder({"anchors": UserAnchors()})) == [
+        ("warning", "plain-tensors", "parts.anchors.offsets"),
+        ("error", "plain-container", "parts.anchors.extra"),
+    ]
 
 
 def test_a_users_additions_to_a_subclass_of_lstm_are_found() -> None:
