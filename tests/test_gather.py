@@ -11,7 +11,7 @@ import torch
 
 from lightning_mgpu import Fields, GatherError, PerSample
 from lightning_mgpu.engine import gather, weighted_mean
-from lightning_mgpu.engine.scatter import LayoutMemory
+from lightning_mgpu.engine.gather import LayoutMemory
 
 CPU = torch.device("cpu")
 

@@ -473,11 +473,13 @@ def test_lightning_parallel_module_unsqueeze_scalar_and_python_scalar_conversion
 
 
 class _Nested(Dataset):
+    """1.x's data: one row per replica, ``[[0.0], [1.0]]``, so each replica can check that it got its own row."""
+
     def __init__(self, nest: Callable[[torch.Tensor], Any]) -> None:
         self.nest = nest
 
     def __len__(self) -> int:
-        return 4
+        return 2
 
     def __getitem__(self, index: int) -> Any:
         return self.nest(torch.tensor([float(index)]))
@@ -490,15 +492,15 @@ class _Nested(Dataset):
         (lambda x: {"data": x}, lambda x: x["data"]),
         (lambda x: [x, (x, x)], lambda x: x[1][0]),
     ],
-    ids=["tensor", "dict", "nested-list"],
+    ids=["tensor", "dict", "list_tuple"],
 )
 def test_lightning_parallel_module_device_access(
     nest: Callable[[torch.Tensor], Any], unnest: Callable[[Any], torch.Tensor]
 ) -> None:
     """overrides/test_data_parallel.py: ``self.device`` in a replica is its parameters' and its rows' device.
 
-    1.x's test split 2 rows; a list of 2 items with 2 rows each could be 2 samples or 2 fields, so mgpu_dp asks
-    (``lightning_mgpu.Fields``) and this port uses 4 rows.
+    As in 1.x, the batch has 2 rows, one per replica; ``[x, (x, x)]`` is then a list of 2 items whose tensors have
+    2 rows, which is split as torch splits it, every tensor along dim 0.
     """
     seen: list[tuple[int, list[float]]] = []
 
@@ -509,7 +511,8 @@ def test_lightning_parallel_module_device_access(
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             x = unnest(batch)
-            assert x.shape == torch.Size([2, 1])
+            assert x.shape == torch.Size([1, 1])
+            assert self.replica_index == x.item()
             assert self.device == self.layer.weight.device == x.device
             seen.append((self.replica_index, x.flatten().tolist()))
             return self.layer(x).sum()
@@ -518,8 +521,8 @@ def test_lightning_parallel_module_device_access(
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     model = DeviceAccess()
-    trainer(devices=2, strategy="mgpu_dp", max_steps=1).fit(model, DataLoader(_Nested(nest), batch_size=4))
-    assert sorted(seen) == [(0, [0.0, 1.0]), (1, [2.0, 3.0])], "replica i gets the i-th chunk of rows"
+    trainer(devices=2, strategy="mgpu_dp", max_steps=1).fit(model, DataLoader(_Nested(nest), batch_size=2))
+    assert sorted(seen) == [(0, [0.0]), (1, [1.0])], "replica i gets the i-th row"
     assert model.device == torch.device("cpu")
 
 

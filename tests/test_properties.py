@@ -52,13 +52,12 @@ def batches(draw: st.DrawFn) -> tuple[Any, Any, int, int]:
 
     Tensors share a leading dimension; numbers and None are mixed in; dataclasses carry an ``init=False`` field;
     plain lists and tuples with one item per row (names, ids, None, dicts, per-sample tensors of other lengths)
-    and ``PerSample`` lists of anything are split by items. A list whose length is the batch's or a chunk's rows
-    and whose tensors all have those rows reads two ways, so it is a ``Fields``, as the contract asks. Per-sample
+    and ``PerSample`` lists of anything are split by items. Other lists, plain or ``Fields``, hold a tensor or a
+    marker, so they are fields whatever their length, the batch's row count and the chunks' included. Per-sample
     items hold tensors only when a row tensor sits outside every list, where it sets the row count.
     """
     rows = draw(st.integers(min_value=1, max_value=17))
     replicas = draw(st.integers(min_value=1, max_value=6))
-    two_way_lengths = {rows, *chunk_sizes(rows, replicas)}
     anchored = draw(st.booleans())
     seeds = st.integers(0, 10_000)
     dtypes = st.sampled_from([torch.float32, torch.float64, torch.int64, torch.int32])
@@ -83,8 +82,6 @@ def batches(draw: st.DrawFn) -> tuple[Any, Any, int, int]:
 
     def sequence(pairs: list[Drawn], kind: type) -> Drawn:
         values, expected = [pair[0] for pair in pairs], [pair[1] for pair in pairs]
-        if len(pairs) in two_way_lengths:
-            return Fields(values), Fields(expected)
         return kind(values), kind(expected)
 
     def mapping(items: dict[str, Drawn]) -> Drawn:
@@ -93,9 +90,12 @@ def batches(draw: st.DrawFn) -> tuple[Any, Any, int, int]:
     tree = st.recursive(
         leaf,
         lambda children: st.one_of(
-            st.tuples(st.lists(children, min_size=1, max_size=2), st.lists(extra, max_size=2))
-            .flatmap(lambda parts: st.permutations(parts[0] + parts[1]))
-            .map(lambda pairs: sequence(pairs, list)),
+            st.tuples(
+                st.tuples(st.lists(children, min_size=1, max_size=2), st.lists(extra, max_size=2)).flatmap(
+                    lambda parts: st.permutations(parts[0] + parts[1])
+                ),
+                st.sampled_from([list, Fields]),
+            ).map(lambda drawn: sequence(*drawn)),
             st.tuples(children, st.one_of(children, extra)).map(lambda pairs: sequence(list(pairs), tuple)),
             st.dictionaries(st.sampled_from(["a", "b", "c"]), children, min_size=1, max_size=3).map(mapping),
             st.tuples(children, st.one_of(children, extra)).map(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict, namedtuple
 from dataclasses import dataclass, field
 
@@ -10,7 +11,7 @@ import torch
 
 from lightning_mgpu import BatchSplitError, Fields, PerSample
 from lightning_mgpu.engine import chunk_sizes, scatter
-from lightning_mgpu.engine.scatter import LayoutMemory, batch_size_of
+from lightning_mgpu.engine.scatter import batch_size_of
 
 CPU2 = [torch.device("cpu")] * 2
 
@@ -156,55 +157,67 @@ def test_tensors_inside_per_sample_items_move_to_the_replica_device() -> None:
     assert chunks[1]["x"].device.type == "meta"
 
 
-def test_a_list_that_reads_both_ways_names_its_path_and_both_fixes() -> None:
-    boxes = [torch.zeros(4, 4) for _ in range(4)]
-    with pytest.raises(
-        BatchSplitError,
-        match=r"batch\['boxes'\] is a list of 4 items, as many as the batch has rows, and its tensors have 4 rows"
-        r" too.*one item per sample.*fields of the batch.*no earlier batch.*lightning_mgpu\.PerSample\(\.\.\.\)"
-        r".*lightning_mgpu\.Fields\(\.\.\.\)",
-    ):
-        scatter({"images": torch.arange(4), "boxes": boxes}, CPU2)
+@pytest.mark.parametrize("kind", [list, tuple])
+@pytest.mark.parametrize("replicas", [1, 2, 3])
+def test_a_two_row_pair_batch_is_split_as_fields_as_torch_splits_it(kind: type, replicas: int) -> None:
+    x, y = torch.arange(6.0).reshape(2, 3), torch.tensor([[10.0], [20.0]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        chunks, sizes = scatter(kind([x, y]), [torch.device("cpu")] * replicas)
+    assert sizes == ([2] if replicas == 1 else [1, 1])
+    assert all(type(chunk) is kind for chunk in chunks)
+    start = 0
+    for chunk, size in zip(chunks, sizes, strict=True):
+        assert torch.equal(chunk[0], x[start : start + size])
+        assert torch.equal(chunk[1], y[start : start + size])
+        start += size
 
 
-def test_a_two_row_pair_batch_reads_both_ways_without_an_earlier_batch() -> None:
-    with pytest.raises(BatchSplitError, match=r"^batch is a list of 2 items.*TensorDataset.*Fields"):
-        scatter([torch.zeros(2, 3), torch.zeros(2, 1)], CPU2)
+def test_n_images_with_n_boxes_each_are_read_as_fields_unless_marked() -> None:
+    boxes = [torch.full((4, 4), float(image)) for image in range(4)]
+    chunks, _ = scatter({"images": torch.arange(4), "boxes": boxes}, CPU2)
+    assert [len(chunk["boxes"]) for chunk in chunks] == [4, 4], "every replica gets 2 rows of each of the 4 tensors"
+    assert [item.shape for item in chunks[1]["boxes"]] == [(2, 4)] * 4
+    assert [float(item[0, 0]) for item in chunks[1]["boxes"]] == [0.0, 1.0, 2.0, 3.0]
+    marked, _ = scatter({"images": torch.arange(4), "boxes": PerSample(boxes)}, CPU2)
+    assert [[float(item[0, 0]) for item in chunk["boxes"]] for chunk in marked] == [[0.0, 1.0], [2.0, 3.0]]
+    assert all(item.shape == (4, 4) for chunk in marked for item in chunk["boxes"])
 
 
-def test_a_list_that_reads_both_ways_is_not_an_error_when_one_replica_gets_everything() -> None:
-    batch = [torch.zeros(2, 3), torch.zeros(2, 1)]
-    chunks, sizes = scatter(batch, [torch.device("cpu")])
-    assert sizes == [2]
-    assert [item.shape for item in chunks[0]] == [(2, 3), (2, 1)]
-
-
-def test_memory_reads_a_small_last_batch_as_the_earlier_batches_were_read() -> None:
-    memory = LayoutMemory()
-    scatter([torch.zeros(8, 3), torch.zeros(8, 1)], CPU2, memory)
-    chunks, sizes = scatter([torch.zeros(2, 3), torch.zeros(2, 1)], CPU2, memory)
+def test_persample_makes_a_pair_that_would_be_fields_one_item_per_sample() -> None:
+    pair = PerSample([torch.zeros(2, 3), torch.ones(2, 3)])
+    chunks, sizes = scatter(pair, CPU2)
     assert sizes == [1, 1]
-    assert [item.shape for item in chunks[1]] == [(1, 3), (1, 1)]
-    assert memory.recall("batch") is False
+    assert [type(chunk) for chunk in chunks] == [PerSample, PerSample]
+    assert chunks[1][0] is pair[1], "each replica gets its own sample whole, with all of its 2 rows"
 
 
-def test_memory_keeps_a_per_sample_list_per_sample_when_every_item_has_as_many_rows_as_the_batch() -> None:
-    memory = LayoutMemory()
-    scatter({"x": torch.arange(4), "boxes": [torch.zeros(count, 4) for count in (1, 3, 2, 5)]}, CPU2, memory)
-    boxes = [torch.full((4, 4), float(index)) for index in range(4)]
-    chunks, _ = scatter({"x": torch.arange(4), "boxes": boxes}, CPU2, memory)
-    assert [[item[0, 0].item() for item in chunk["boxes"]] for chunk in chunks] == [[0.0, 1.0], [2.0, 3.0]]
-    assert all(item.shape == (4, 4) for chunk in chunks for item in chunk["boxes"])
+def test_each_batch_is_read_by_itself_whatever_an_earlier_batch_held() -> None:
+    per_image = [torch.zeros(count, 4) for count in (1, 3, 2, 5)]
+    first, _ = scatter({"x": torch.arange(4), "boxes": per_image}, CPU2)
+    assert [len(chunk["boxes"]) for chunk in first] == [2, 2]
+    square = [torch.zeros(4, 4) for _ in range(4)]
+    second, _ = scatter({"x": torch.arange(4), "boxes": square}, CPU2)
+    assert [item.shape for item in second[0]["boxes"]] == [(2, 4)] * 4
+    scatter({"x": torch.arange(2), "shape": [224, 224]}, CPU2)
+    later, _ = scatter({"x": torch.arange(8), "shape": [224, 224]}, CPU2)
+    assert [chunk["shape"] for chunk in later] == [[224, 224], [224, 224]], "not one item per row: whole"
 
 
-def test_memory_refuses_a_path_that_was_per_sample_and_now_is_not_one_item_per_row() -> None:
-    memory = LayoutMemory()
-    scatter({"x": torch.arange(2), "shape": [224, 224]}, CPU2, memory)
-    with pytest.raises(
-        BatchSplitError,
-        match=r"batch\['shape'\] has 2 items but the batch has 8 rows.*earlier batch.*one item per row.*Fields",
-    ):
-        scatter({"x": torch.arange(8), "shape": [224, 224]}, CPU2, memory)
+def test_a_pair_whose_tensors_disagree_at_the_top_is_refused_with_both_sizes_and_the_fixes() -> None:
+    with pytest.raises(BatchSplitError) as caught:
+        scatter([torch.zeros(2, 3), torch.zeros(3, 1)], CPU2)
+    assert str(caught.value) == (
+        "The tensors in the batch disagree on their size along dim 0 (batch[0]: 2, batch[1]: 3), so the batch cannot"
+        " be split into matching chunks per replica. Make every tensor in the batch hold one row per sample; wrap a"
+        " list that holds one item per sample (such as one boxes tensor per image) in lightning_mgpu.PerSample(...)"
+        " in your collate_fn; or move per-batch data out of the batch (for example into the LightningModule)."
+    )
+
+
+def test_a_0_dim_tensor_outside_every_list_is_refused_by_its_path() -> None:
+    with pytest.raises(BatchSplitError, match=r"^batch\['scale'\] is a 0-dim tensor"):
+        scatter({"x": torch.zeros(2), "scale": torch.tensor(0.5)}, CPU2)
 
 
 def test_fields_and_namedtuples_are_always_split_field_by_field() -> None:

@@ -3,6 +3,7 @@ mgpu_dp exactly as on one device, or fails before the first step with the cause 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,10 +75,10 @@ def _fit_boxes(box_counts: list[list[int]], marked: bool, **trainer_kwargs: Any)
 @pytest.mark.parametrize(
     ("box_counts", "marked"),
     [
-        ([[1, 3, 2, 5], [4, 4, 4, 4], [4, 2, 4, 4]], False),
+        ([[1, 3, 2, 5], [4, 2, 4, 4], [3, 4, 4, 4]], False),
         ([[4, 4, 4, 4], [1, 3, 2, 5], [4, 4, 4, 4]], True),
     ],
-    ids=["plain-list-after-a-telling-batch", "persample-from-the-first-batch"],
+    ids=["plain-list-whose-counts-tell-in-every-batch", "persample-with-n-boxes-per-image"],
 )
 def test_one_boxes_tensor_per_image_trains_like_one_device(
     box_counts: list[list[int]], marked: bool, devices: int
@@ -88,12 +89,35 @@ def test_one_boxes_tensor_per_image_trains_like_one_device(
     assert not torch.equal(single["net.0.weight"], parameters(_BoxRegressor())["net.0.weight"])
 
 
-def test_boxes_that_read_both_ways_in_the_first_batch_are_refused_with_the_fix() -> None:
+def test_a_plain_list_of_n_boxes_per_image_reaches_the_replicas_as_fields() -> None:
+    """The one reading that can surprise: torch's, so per-image data whose tensors all have N rows needs PerSample."""
+    received: list[list[tuple[int, ...]]] = []
+
+    class Recording(_BoxRegressor):
+        def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+            received.append([tuple(boxes.shape) for boxes in batch["boxes"]])
+            return super().training_step(batch, batch_idx)
+
+    data = DataLoader(_Images([[4, 4, 4, 4]]), batch_size=BATCH, collate_fn=_detection_collate(marked=False))
+    trainer(devices=2, strategy="mgpu_dp").fit(Recording(), data)
+    assert received == [[(2, 4)] * 4] * 2
+
+
+def test_per_image_tensors_alone_at_the_top_of_the_batch_are_refused_before_the_first_step() -> None:
+    """torch would chunk each tensor by its own rows; here they disagree on N, and the error says to mark them."""
+    stepped: list[int] = []
+
+    class Recording(_BoxRegressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            stepped.append(batch_idx)
+            return super().training_step(batch, batch_idx)
+
+    data = DataLoader(_Images([[1, 3, 2, 5]]), batch_size=BATCH, collate_fn=lambda rows: [row[1] for row in rows])
     with pytest.raises(
-        BatchSplitError,
-        match=r"batch\['boxes'\] is a list of 4 items, as many as the batch has rows.*lightning_mgpu\.PerSample",
+        BatchSplitError, match=r"\(batch\[0\]: 1, batch\[1\]: 3, batch\[2\]: 2, batch\[3\]: 5\).*PerSample"
     ):
-        _fit_boxes([[4, 4, 4, 4], [1, 3, 2, 5]], marked=False, devices=2, strategy="mgpu_dp")
+        trainer(devices=2, strategy="mgpu_dp").fit(Recording(), data)
+    assert stepped == []
 
 
 class _Named(Dataset):
@@ -189,20 +213,28 @@ def test_a_dataclass_batch_with_an_init_false_field_trains_like_one_device(devic
 
 
 @pytest.mark.parametrize("devices", [2, 3])
-def test_a_two_row_pair_batch_at_the_end_of_an_epoch_reads_as_the_earlier_batches(devices: int) -> None:
+def test_a_two_row_pair_batch_at_the_end_of_an_epoch_trains_like_one_device(devices: int) -> None:
     data = loader(regression_data(rows=18), 8)  # [x, y] batches of 8, 8 and 2 rows
     single, parallel = Regressor(), Regressor()
     trainer(max_epochs=2).fit(single, data)
     trainer(max_epochs=2, devices=devices, strategy="mgpu_dp").fit(parallel, data)
     assert_same_parameters(parameters(single), parameters(parallel))
+    assert not torch.equal(parameters(single)["net.0.weight"], parameters(Regressor())["net.0.weight"])
 
 
-def test_a_two_row_pair_batch_first_is_refused_and_fields_says_which() -> None:
-    data = regression_data(rows=6)
-    with pytest.raises(BatchSplitError, match=r"^batch is a list of 2 items.*lightning_mgpu\.Fields"):
-        trainer(devices=2, strategy="mgpu_dp").fit(Regressor(), loader(data, 2))
-    fields = DataLoader(data, batch_size=2, collate_fn=lambda rows: Fields(default_collate(rows)))
+_PAIR_COLLATES: dict[str, Callable[[list[Any]], Any]] = {
+    "list": default_collate,
+    "tuple": lambda rows: tuple(default_collate(rows)),
+    "fields": lambda rows: Fields(default_collate(rows)),
+}
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+@pytest.mark.parametrize("collate", list(_PAIR_COLLATES))
+def test_a_tensor_dataset_in_batches_of_2_trains_like_one_device(collate: str, devices: int) -> None:
+    data = DataLoader(regression_data(rows=6), batch_size=2, collate_fn=_PAIR_COLLATES[collate])
     single, parallel = Regressor(), Regressor()
-    trainer().fit(single, fields)
-    trainer(devices=2, strategy="mgpu_dp").fit(parallel, fields)
+    trainer(max_epochs=2).fit(single, data)
+    trainer(max_epochs=2, devices=devices, strategy="mgpu_dp").fit(parallel, data)
     assert_same_parameters(parameters(single), parameters(parallel))
+    assert not torch.equal(parameters(single)["net.0.weight"], parameters(Regressor())["net.0.weight"])

@@ -264,6 +264,43 @@ def test_a_list_with_one_item_per_row_is_split_by_items(wrap: Callable[..., MGPU
     assert out == ["a:0", "b:1", "c:2"]
 
 
+class _PairErrors(nn.Module):
+    """Takes the batch whole, as one ``[x, y]`` list, and returns each row's squared error."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+
+    def forward(self, batch: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> torch.Tensor:
+        x, y = batch
+        return (self.net(x) - y).pow(2).squeeze(1)
+
+
+@replica_counts
+@pytest.mark.parametrize("kind", [list, tuple])
+@pytest.mark.parametrize("rows", [[2, 2, 2], [8, 8, 2]], ids=["batches-of-2", "a-last-batch-of-2"])
+def test_a_pair_batch_of_two_rows_is_split_as_fields_and_trains_like_one_device(
+    wrap: Callable[..., MGPUDataParallel], replicas: int, kind: type, rows: list[int]
+) -> None:
+    """As torch splits it: each of the 2 items along dim 0, never one item per replica; no error, no warning."""
+    generator = torch.Generator().manual_seed(0)
+    batches = [kind([torch.randn(n, 3, generator=generator), torch.randn(n, 1, generator=generator)]) for n in rows]
+    single, parallel = _PairErrors(), _PairErrors()
+    initial = copy.deepcopy(dict(single.named_parameters()))
+    wrapper = wrap(parallel, [CPU] * replicas)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for module, call in ((single, single), (parallel, wrapper)):
+            optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+            for batch in batches:
+                optimizer.zero_grad()
+                call(batch).mean().backward()
+                optimizer.step()
+    torch.testing.assert_close(dict(parallel.named_parameters()), dict(single.named_parameters()), **EXACT)
+    assert not torch.equal(single.net[0].weight, initial["net.0.weight"])
+
+
 def test_a_call_without_tensors_is_refused(wrap: Callable[..., MGPUDataParallel]) -> None:
     """Deliberate difference: torch runs such a call on every device with the same inputs."""
     with pytest.raises(BatchSplitError, match="no tensor with a batch dimension"):

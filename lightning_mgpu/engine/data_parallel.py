@@ -10,11 +10,10 @@ import torch
 from torch import nn
 
 from lightning_mgpu.engine.batchnorm import ReplicaRendezvous, WholeBatchNorm, batchnorm_layers, check_exchangeable
-from lightning_mgpu.engine.gather import gather
+from lightning_mgpu.engine.gather import LayoutMemory, gather
 from lightning_mgpu.engine.parallel_apply import ContextFactory, ParallelApply
 from lightning_mgpu.engine.replicate import ReplicaCache, all_on, modules_of
 from lightning_mgpu.engine.scatter import (
-    LayoutMemory,
     check_chunk_weight_count,
     check_chunk_weights,
     move_to,
@@ -108,7 +107,6 @@ class MGPUDataParallel(nn.Module):
         self._batch_statistics = _BatchStatistics()
         if sync_batchnorm and len(self.devices) > 1:
             check_exchangeable(module, type(self).__name__)
-        self._batch_layouts: dict[str, LayoutMemory] = {}
         self._output_layouts: dict[str, LayoutMemory] = {}
         self._chunk_weights: tuple[float, ...] | None = None
         self.chunk_weights = chunk_weights
@@ -145,9 +143,7 @@ class MGPUDataParallel(nn.Module):
         if not inputs and not kwargs:
             alone = self._run_replicas(None, [((), {})], [0], check_device=True)
             return self.gather(alone.outputs, None, "forward")
-        calls, sizes, devices = scatter_inputs(
-            inputs, kwargs, self.devices, _layouts(self._batch_layouts, "forward"), self._chunk_weights
-        )
+        calls, sizes, devices = scatter_inputs(inputs, kwargs, self.devices, self._chunk_weights)
         replica_outputs = self._run_replicas(None, calls, sizes, check_device=True, devices=devices)
         return self.gather(replica_outputs.outputs, replica_outputs.sizes, "forward")
 
@@ -193,13 +189,10 @@ class MGPUDataParallel(nn.Module):
             prepare_replica: called as ``prepare_replica(replica, index, num_replicas, device, rows)`` before the
                 call, in the calling thread; ``rows`` is the size of the replica's chunk.
 
-        Buffers that replica 0 reassigned are stored on the module afterwards, as its in-place updates are. A list
-        in the batch that could be read as one item per sample or as fields is read as it was in earlier batches of
-        the same method (see ``lightning_mgpu.engine.scatter``).
+        Buffers that replica 0 reassigned are stored on the module afterwards, as its in-place updates are. The
+        batch is split by its own shapes alone, whatever earlier batches held (see ``lightning_mgpu.engine.scatter``).
         """
-        chunks, sizes, devices = scatter_to_devices(
-            batch, self.devices, _layouts(self._batch_layouts, method), self._chunk_weights
-        )
+        chunks, sizes, devices = scatter_to_devices(batch, self.devices, self._chunk_weights)
         shared = kwargs or {}
         calls = [((chunk, *args), shared) for chunk in chunks]
         return self._run_replicas(method, calls, sizes, context, prepare_replica, devices=devices)

@@ -8,12 +8,12 @@ The contract, which ``gather`` inverts:
 * Tensors are split along dim 0 and must have N rows. Mappings, dataclasses (``init=False`` fields included),
   namedtuples and ``Fields`` are containers, rebuilt with their type, every value read by these rules. Any other
   value reaches every replica whole.
-* A ``PerSample`` is split by items. A plain list or tuple whose length is not N is a container. One of length N
-  is read as its key path was in an earlier batch of the run; the first time, it is a per-sample sequence (split
-  by items) when an item cannot be batch data with N rows (a tensor of other rows, a 0-dim tensor) or no item
-  holds a tensor (names, ids, None), and a container when an item holds a ``PerSample`` or ``Fields``. Otherwise
-  every tensor in it has N rows and it reads both ways: ``BatchSplitError`` asks for ``PerSample`` or ``Fields``,
-  unless a single replica takes the whole batch.
+* A ``PerSample`` is split by items. A plain list or tuple is a container, as ``torch.nn.DataParallel`` reads it,
+  unless it has N items that prove one item per sample: an item is or holds a tensor whose dim 0 is not N or a
+  0-dim tensor, or no item holds a tensor (names, ids, None). Then it is split by items, unless an item is or
+  holds a ``PerSample`` or ``Fields``, which only fields of a batch hold. The batch alone decides, never an earlier
+  one, so how a batch is split can be read off that batch; the price is that N images with exactly N boxes each
+  are fields unless the boxes come in a ``PerSample``.
 """
 
 from __future__ import annotations
@@ -37,9 +37,11 @@ class PerSample(list[Any]):
     Return it from a ``collate_fn`` for per-sample data that does not stack into one tensor, such as one boxes
     tensor per image: ``{"images": torch.stack(images), "boxes": PerSample(boxes)}``. Each replica receives a
     ``PerSample`` of its own samples, in batch order, with its tensors on the replica's device. A plain list of N
-    items is recognised as per-sample without the marker unless every item carries N rows itself (N images with
-    exactly N boxes each), which the marker settles. A ``PerSample`` returned from a step is concatenated across
-    replicas in batch order, whatever its length.
+    items is read per sample without the marker only when its items prove it (a tensor whose first size is not N,
+    or no tensor at all); otherwise it is read as fields, as ``torch.nn.DataParallel`` reads it, so per-image
+    data whose tensors may all have N rows (N images with exactly N boxes each) needs the marker to stay per
+    image. A ``PerSample`` returned from a step is concatenated across replicas in batch order, whatever its
+    length.
     """
 
     __slots__ = ()
@@ -51,40 +53,16 @@ class PerSample(list[Any]):
 class Fields(list[Any]):
     """A list of batch fields, ``[inputs, targets]``, split field by field and never read as one item per sample.
 
-    A plain ``[x, y]`` batch of 2 rows could be 2 samples or 2 fields of 2 rows. ``mgpu_dp`` reuses the reading
-    of earlier batches of the run, so a small last batch is fine; when the first batch is that small, return
-    ``Fields(default_collate(samples))`` from the ``collate_fn`` (``x, y = batch`` keeps working), or a dict,
-    namedtuple or dataclass, which are always split field by field. Returned from a step, it is gathered item by
-    item.
+    A plain list is read as fields already unless its items prove one item per sample, so the marker states that
+    default explicitly, for a reader of the ``collate_fn`` as much as for ``mgpu_dp``. It changes the split only
+    where the items would prove one per sample: two lists of names in a batch of 2 rows stay two fields. Returned
+    from a step, it is gathered item by item, never concatenated as one item per row.
     """
 
     __slots__ = ()
 
     def __repr__(self) -> str:
         return f"Fields({list.__repr__(self)})"
-
-
-class LayoutMemory:
-    """Which reading each plain list or tuple of one run's batches (or step outputs) had, by key path.
-
-    A list of N items whose tensors all have N rows reads both as one item per sample and as fields. Batches of
-    one run share their structure and the first ones are normally full, so the reading a path had when its length
-    or items told it apart decides when they do not (the small last batch of an epoch). It also keeps one path from
-    being read two ways in one run: a path split by items before that is not one item per row now is an error.
-    """
-
-    __slots__ = ("_per_sample",)
-
-    def __init__(self) -> None:
-        self._per_sample: dict[str, bool] = {}
-
-    def recall(self, path: str) -> bool | None:
-        """``True`` when ``path`` held one item per sample before, ``False`` when fields, ``None`` when unseen."""
-        return self._per_sample.get(path)
-
-    def remember(self, path: str, per_sample: bool) -> None:
-        """Record the first reading of ``path``; callers recall before they decide, so it never changes."""
-        self._per_sample.setdefault(path, per_sample)
 
 
 def chunk_sizes(batch_size: int, num_devices: int) -> list[int]:
@@ -190,7 +168,6 @@ def batch_size_of(batch: Any) -> int:
 def scatter(
     batch: Any,
     devices: Sequence[torch.device],
-    memory: LayoutMemory | None = None,
     weights: Sequence[float] | None = None,
 ) -> tuple[list[Any], list[int]]:
     """Split ``batch`` into chunks, each moved to its device.
@@ -198,8 +175,6 @@ def scatter(
     Args:
         batch: tensors, per-sample sequences and containers of them (see the module docstring for the rules).
         devices: one per replica; a batch with fewer rows than devices uses the first ones.
-        memory: the readings of earlier batches of this run, which settle lists that read two ways and are
-            updated with this batch's; without it such a list is an error when it would be split.
         weights: one relative share per device (see ``weighted_chunk_sizes``); ``None`` splits evenly. A device
             whose share rounds to no rows gets no chunk, so the chunks may go to other devices than the first ones:
             ``scatter_to_devices`` says which.
@@ -210,14 +185,13 @@ def scatter(
     Raises:
         BatchSplitError: the batch cannot be split consistently; the message names the key path and the fix.
     """
-    chunks, sizes, _ = scatter_to_devices(batch, devices, memory, weights)
+    chunks, sizes, _ = scatter_to_devices(batch, devices, weights)
     return chunks, sizes
 
 
 def scatter_to_devices(
     batch: Any,
     devices: Sequence[torch.device],
-    memory: LayoutMemory | None = None,
     weights: Sequence[float] | None = None,
 ) -> tuple[list[Any], list[int], list[torch.device]]:
     """``scatter``, also returning the device of each chunk: the devices given rows, in device order.
@@ -233,7 +207,7 @@ def scatter_to_devices(
         shares = weighted_chunk_sizes(rows, weights)
         sizes = [size for size in shares if size]
         used = [device for device, size in zip(devices, shares, strict=True) if size]
-    planner = _Planner(rows, len(sizes), memory)
+    planner = _Planner(rows)
     plan = planner.plan(batch, "batch")
     if planner.conflicts:
         raise BatchSplitError(_disagreement(_listing(nearest) + planner.conflicts))
@@ -247,7 +221,6 @@ def scatter_inputs(
     inputs: tuple[Any, ...],
     kwargs: dict[str, Any],
     devices: Sequence[torch.device],
-    memory: LayoutMemory | None = None,
     weights: Sequence[float] | None = None,
 ) -> tuple[list[tuple[tuple[Any, ...], dict[str, Any]]], list[int], list[torch.device]]:
     """Split a call's positional and keyword inputs as one batch: one ``(args, kwargs)`` per device given rows.
@@ -262,9 +235,7 @@ def scatter_inputs(
             chunks, sizes, used = split
             return [(chunk, {}) for chunk in chunks], sizes, used
     try:
-        batches, sizes, used = scatter_to_devices(
-            {"inputs": Fields(inputs), "kwargs": kwargs}, devices, memory, weights
-        )
+        batches, sizes, used = scatter_to_devices({"inputs": Fields(inputs), "kwargs": kwargs}, devices, weights)
     except BatchSplitError as error:
         error.add_note(
             "lightning_mgpu: MGPUDataParallel splits the positional and keyword inputs of forward as one batch:"
@@ -472,10 +443,8 @@ def _zero_dim(path: str) -> str:
 class _Planner:
     """Reads one batch top-down, its row count known, deciding how each value is cut for the replicas."""
 
-    def __init__(self, rows: int, chunks: int, memory: LayoutMemory | None) -> None:
+    def __init__(self, rows: int) -> None:
         self.rows = rows
-        self.chunks = chunks
-        self.memory = memory
         self.conflicts: list[str] = []
 
     def plan(self, obj: Any, path: str) -> Plan:
@@ -495,55 +464,28 @@ class _Planner:
             return (_DATACLASS, [(name, self.plan(value, f"{path}.{name}")) for name, value in field_values(obj)])
         if isinstance(obj, (list, tuple)):
             namedtuple = is_namedtuple(obj)
-            if not namedtuple and not isinstance(obj, Fields) and self._per_sample(obj, path):
+            if not namedtuple and not isinstance(obj, Fields) and self._per_sample(obj):
                 return _ITEMS_PLAN
             children = [self.plan(value, f"{path}[{index}]") for index, value in enumerate(obj)]
             return (_NAMEDTUPLE if namedtuple else _SEQUENCE, children)
         return _WHOLE_PLAN
 
-    def _per_sample(self, obj: list | tuple, path: str) -> bool:
-        memory = self.memory
-        remembered = memory.recall(path) if memory is not None else None
-        if len(obj) != self.rows:
-            if remembered:
-                raise BatchSplitError(
-                    f"{path} has {len(obj)} items but the batch has {self.rows} rows, while in an earlier batch it"
-                    " had one item per row and was split with the rows. A list that holds one item per sample must"
-                    " have one per row in every batch; if it holds fields or values for the whole batch, wrap it"
-                    " in lightning_mgpu.Fields(...) in your collate_fn."
-                )
-            if memory is not None and remembered is None:
-                memory.remember(path, False)
-            return False
-        if remembered is not None:
-            return remembered
-        fits = {_fit(item, self.rows) for item in obj}
-        if FIT_MARKED in fits:
-            per_sample = False
-        elif FIT_CONFLICT in fits or FIT_ROWS not in fits:
-            per_sample = True
-        elif self.chunks == 1:
-            return False  # one chunk gets the whole list either way
-        else:
-            raise BatchSplitError(self._ambiguity(obj, path))
-        if memory is not None:
-            memory.remember(path, per_sample)
-        return per_sample
+    def _per_sample(self, obj: list | tuple) -> bool:
+        """Whether a plain list or tuple holds one item per sample, which only its own items can prove.
 
-    def _ambiguity(self, obj: list | tuple, path: str) -> str:
-        return (
-            f"{path} is a {type(obj).__name__} of {len(obj)} items, as many as the batch has rows, and its tensors"
-            f" have {self.rows} rows too, so it could hold one item per sample (each replica gets whole items) or"
-            " fields of the batch (each split along dim 0), and no earlier batch of this run told which. In your"
-            " collate_fn, wrap it in lightning_mgpu.PerSample(...) if it holds one item per sample, or in"
-            " lightning_mgpu.Fields(...) (or return a dict, namedtuple or dataclass) if each item is a field with"
-            " one row per sample; for a TensorDataset, collate_fn=lambda samples:"
-            " lightning_mgpu.Fields(torch.utils.data.default_collate(samples))."
-        )
+        ``torch.nn.DataParallel`` splits every item of a list, so fields are the default, also where every tensor
+        in the list has N rows and nothing tells (an ``[x, y]`` batch of 2 rows). Items prove one per sample when
+        they could not be fields with N rows (a tensor of other rows, a 0-dim tensor) or hold no tensor to split
+        (names); a marker inside makes the list a container of batch fields.
+        """
+        if len(obj) != self.rows:
+            return False
+        fits = {_fit(item, self.rows) for item in obj}
+        return FIT_MARKED not in fits and (FIT_CONFLICT in fits or FIT_ROWS not in fits)
 
 
 def _fit(obj: Any, rows: int) -> str:
-    """How ``obj`` would read as batch data with ``rows`` rows; pure, so items of a per-sample list leave no trace."""
+    """How ``obj`` would read as batch data with ``rows`` rows, without planning it (a per-sample item is whole)."""
     if isinstance(obj, torch.Tensor):
         return FIT_ROWS if obj.dim() > 0 and obj.shape[0] == rows else FIT_CONFLICT
     if isinstance(obj, (PerSample, Fields)):
