@@ -26,7 +26,8 @@ Lightning and torchmetrics:
     torchmetrics keeps out of the state dict (a metric's update count), and a faithful copy of a DataLoader with
     another sampler, which only Lightning's private ``_update_dataloader`` builds. ``MGPUDDPStrategy(uneven_batches=
     True)`` weights logged values by the real rows of each rank's batch, which Lightning reads from its private result
-    collection, and keeps the padding row out of epoch sums, maxima and minima kept there.
+    collection, and keeps the padding row out of epoch sums, maxima and minima kept there. It also judges the
+    training DataLoader as the user's code built it, which only the fit loop's private data source returns.
 """
 
 from __future__ import annotations
@@ -210,6 +211,36 @@ def with_sampler(dataloader: DataLoader, sampler: Sampler) -> DataLoader:
     from lightning.pytorch.utilities.data import _update_dataloader
 
     return _update_dataloader(dataloader, sampler)
+
+
+def watch_training_data(trainer: Any, seen: Callable[[Any], None]) -> Callable[[], None]:
+    """Hand ``seen`` the training data each time the fit loop fetches it, before Lightning rebuilds any DataLoader.
+
+    The fit loop fetches the training data from its private data source (the dataloaders given to ``fit``, or the
+    ``train_dataloader`` hook of the LightningModule or LightningDataModule) and then rebuilds each DataLoader around
+    its ``DistributedSampler``, which loses what the DataLoader was built with: a sampler of one's own is dropped, a
+    plain ``BatchSampler`` can become ``batch_size=1``. Only the fetched data still shows them, and no public hook
+    receives it. ``seen`` must not raise: the fetch runs while Lightning has ``DataLoader.__init__`` patched, and
+    the patch is undone only when the fetch returns.
+
+    Returns:
+        A function that stops watching and leaves the data source as it was.
+    """
+    source = trainer.fit_loop._data_source
+    fetch = source.dataloader
+
+    def fetch_and_show() -> Any:
+        data = fetch()
+        seen(data)
+        return data
+
+    source.dataloader = fetch_and_show
+
+    def stop() -> None:
+        if vars(source).get("dataloader") is fetch_and_show:
+            del source.dataloader
+
+    return stop
 
 
 def training_results_state(trainer: Any) -> list[dict[str, Any]]:

@@ -39,9 +39,16 @@ from lightning_mgpu._compat import names_rewritten_by_hooks
 from lightning_mgpu.errors import ConfigurationError, ModelCheckError
 
 
-def check_devices_exist(devices: Sequence[torch.device], strategy_name: str) -> None:
-    """Refuse CUDA devices that this machine does not have, naming them and the fix."""
-    cuda_indices = [device.index or 0 for device in devices if device.type == "cuda"]
+def check_devices_exist(devices: Sequence[object], strategy_name: str) -> None:
+    """Refuse CUDA devices that this machine does not have, naming them and the fix.
+
+    Only CUDA ``torch.device`` entries are checked. A custom Lightning accelerator may describe its devices with
+    anything (strings, integers, objects of its own), and Lightning hands them to the strategy as they are; what they
+    mean is that accelerator's business.
+    """
+    cuda_indices = [
+        device.index or 0 for device in devices if isinstance(device, torch.device) and device.type == "cuda"
+    ]
     if not cuda_indices:
         return
     available = torch.cuda.device_count() if torch.cuda.is_available() else 0

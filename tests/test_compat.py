@@ -5,13 +5,15 @@ An upgrade that changes one of them fails here first, naming the function, befor
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
 from processes import free_port
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler, TensorDataset
 
 from lightning_mgpu import _compat
 from lightning_mgpu._compat import with_sampler
@@ -223,9 +225,14 @@ class _Weighted(pl.LightningModule):
 def test_logged_batch_size_and_epoch_aggregates_let_a_batch_count_for_nothing(tmp_path: object) -> None:
     module = _Weighted()
     trainer = pl.Trainer(
-        accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        default_root_dir=str(tmp_path), enable_model_summary=False,
-    )  # fmt: skip
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        default_root_dir=str(tmp_path),
+        enable_model_summary=False,
+    )
     trainer.fit(module, DataLoader(TensorDataset(torch.randn(6, 2)), batch_size=2))
     assert module.batches_seen == [True, True, True, True], "the batch while it runs, None after the epoch"
     metrics = {key: float(value) for key, value in trainer.callback_metrics.items()}
@@ -236,3 +243,52 @@ def test_a_strategy_says_whether_it_will_convert_batchnorm_to_sync() -> None:
     for sync in (True, False):
         built = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", sync_batchnorm=sync, logger=False)
         assert _compat.converts_batchnorm_to_sync(built.strategy) is sync
+
+
+class _Hooked(pl.LightningModule):
+    """Builds its training DataLoader in ``train_dataloader`` with a batch_sampler, and keeps what it returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(1, 1)
+        self.built: list[DataLoader] = []
+
+    def train_dataloader(self) -> DataLoader:
+        data = _dataset(6)
+        self.built.append(DataLoader(data, batch_sampler=BatchSampler(SequentialSampler(data), 3, drop_last=False)))
+        return self.built[-1]
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.layer(batch[0].unsqueeze(1)).sum()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_the_training_data_is_seen_as_built_before_lightning_rebuilds_it(tmp_path: object) -> None:
+    seen: list[object] = []
+    stops: list[Callable[[], None]] = []
+
+    class Watch(pl.Callback):
+        def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+            stops.append(_compat.watch_training_data(trainer, seen.append))
+
+    module = _Hooked()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy="ddp",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        callbacks=[Watch()],
+    )
+    trainer.fit(module)
+    assert seen == module.built, "the DataLoader the hook returned, once"
+    assert trainer.train_dataloader is not module.built[0], "Lightning trains on a rebuilt copy"
+    assert "dataloader" in vars(trainer.fit_loop._data_source)
+    stops[0]()
+    assert "dataloader" not in vars(trainer.fit_loop._data_source), "stopping leaves the data source as it was"

@@ -5,14 +5,19 @@ from __future__ import annotations
 import importlib
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import pytest
+import torch
+from lightning.pytorch.accelerators import Accelerator, AcceleratorRegistry
 from lightning.pytorch.strategies import StrategyRegistry
+from models import Regressor, loader, regression_data, trainer
 
 import lightning_mgpu
-from lightning_mgpu import MGPUDPStrategy
+from lightning_mgpu import MGPUDDPStrategy, MGPUDPStrategy
 from lightning_mgpu.cli import main
 
 
@@ -50,6 +55,81 @@ def test_trainer_accepts_the_name_and_an_instance(strategy: object) -> None:
     assert trainer.strategy.root_device.type == "cpu"
     assert trainer.strategy.num_replicas == 2
     assert not trainer.strategy.is_distributed
+
+
+# --- custom accelerators, whose devices may be anything -----------------------------------------------------------
+
+
+class NamedDevices(Accelerator):
+    """An accelerator of one's own whose devices are strings, as in Lightning's ``test_pluggable_accelerator``."""
+
+    def setup_device(self, device: Any) -> None:
+        pass
+
+    def get_device_stats(self, device: Any) -> dict[str, Any]:
+        return {}
+
+    def teardown(self) -> None:
+        pass
+
+    @staticmethod
+    def parse_devices(devices: Any) -> Any:
+        return devices
+
+    @staticmethod
+    def get_parallel_devices(devices: Any) -> list[str]:
+        return ["foo"] * devices
+
+    @staticmethod
+    def auto_device_count() -> int:
+        return 3
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
+    def name() -> str:
+        return "mgpu_test_named_devices"
+
+
+@pytest.fixture
+def registered_accelerator() -> Iterator[str]:
+    AcceleratorRegistry.register(NamedDevices.name(), NamedDevices)
+    yield NamedDevices.name()
+    AcceleratorRegistry.remove(NamedDevices.name())
+
+
+@pytest.mark.parametrize("strategy", ["mgpu_dp", "mgpu_ddp"])
+@pytest.mark.parametrize("given", ["instance", "registered name"])
+def test_a_custom_accelerators_devices_reach_the_strategy_as_they_are(
+    strategy: str, given: str, request: pytest.FixtureRequest
+) -> None:
+    accelerator = request.getfixturevalue("registered_accelerator") if given != "instance" else NamedDevices()
+    trainer = L.Trainer(accelerator=accelerator, devices=2, strategy=strategy, logger=False)
+    assert isinstance(trainer.accelerator, NamedDevices)
+    assert trainer.strategy.parallel_devices == ["foo", "foo"]
+
+
+@pytest.mark.parametrize("strategy", [MGPUDPStrategy, MGPUDDPStrategy])
+def test_a_strategy_built_on_a_custom_accelerator_takes_every_device_it_counts(strategy: type) -> None:
+    trainer = L.Trainer(strategy=strategy(NamedDevices()), devices="auto", logger=False)
+    assert isinstance(trainer.accelerator, NamedDevices)
+    assert trainer.strategy.parallel_devices == ["foo"] * 3
+
+
+class CPUDevices(NamedDevices):
+    @staticmethod
+    def get_parallel_devices(devices: Any) -> list[torch.device]:  # type: ignore[override]
+        return [torch.device("cpu")] * devices
+
+
+@pytest.mark.parametrize("strategy", ["mgpu_dp", "mgpu_ddp"])
+def test_a_custom_accelerator_trains(strategy: str, tmp_path: Path) -> None:
+    run = trainer(tmp_path, accelerator=CPUDevices(), strategy=strategy, max_steps=2)
+    run.fit(Regressor(), loader(regression_data(), 4))
+    assert isinstance(run.accelerator, CPUDevices)
+    assert run.global_step == 2
 
 
 # --- Lightning 1.x's name, and names that are nearly right ------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -11,10 +12,21 @@ import lightning as L
 import pytest
 import torch
 import yaml
+from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from models import Regressor, assert_same_parameters, loader, parameters, regression_data, trainer
 from processes import clean_env, free_port, run
 from torch import nn
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler, TensorDataset
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+    TensorDataset,
+)
 
 from lightning_mgpu import ConfigurationError, MGPUDDPStrategy
 from lightning_mgpu.cli import main
@@ -257,46 +269,173 @@ class _Iterating(Regressor):
         return super().training_step(batch, 0)
 
 
-def _fit(model: Regressor, data: DataLoader, tmp_path: Path, **overrides: Any) -> L.Trainer:
-    run_ = trainer(tmp_path, strategy=MGPUDDPStrategy(uneven_batches=True), **overrides)
-    run_.fit(model, data)
-    return run_
+class _FromHook(Regressor):
+    """Builds its training data in ``train_dataloader``, where Lightning records how each DataLoader was built."""
+
+    build: Callable[[], object]
+
+    def train_dataloader(self) -> Any:
+        return self.build()
 
 
-def _batch_sampled(rows: int) -> DataLoader:
-    return DataLoader(regression_data(rows=rows), batch_sampler=BatchSampler(SequentialSampler(range(rows)), 4, False))
+def _from_hook(build: Callable[[], object]) -> _FromHook:
+    model = _FromHook()
+    model.build = build
+    return model
+
+
+class _AccumulateFromEpochStart(L.Callback):
+    """Switches accumulation on by itself, after the strategy has set up."""
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainer.accumulate_grad_batches = 2
+
+
+class _Stream(IterableDataset):
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        yield from regression_data(rows=10)
+
+
+class _Batches:
+    """Batches from an iterable that is not a DataLoader."""
+
+    def __iter__(self) -> Iterator[list[torch.Tensor]]:
+        yield from loader(regression_data(rows=10), 2)
+
+
+class _EveryOther(Sampler[int]):
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+
+    def __iter__(self) -> Iterator[int]:
+        yield from range(0, self.rows, 2)
+
+    def __len__(self) -> int:
+        return (self.rows + 1) // 2
+
+
+def _batch_sampled() -> DataLoader:
+    data = regression_data(rows=10)
+    return DataLoader(data, batch_sampler=BatchSampler(SequentialSampler(data), 2, drop_last=False))
+
+
+def _sampled(sampler: Callable[[TensorDataset], Sampler[int]]) -> Callable[[], DataLoader]:
+    def build() -> DataLoader:
+        data = regression_data(rows=10)
+        return DataLoader(data, batch_size=2, sampler=sampler(data))
+
+    return build
+
+
+def _assert_refused_before_the_first_step(
+    model: Regressor, data: object, tmp_path: Path, match: str, **overrides: Any
+) -> None:
+    before = parameters(model)
+    run_ = trainer(tmp_path, strategy=MGPUDDPStrategy(uneven_batches=True), max_epochs=2, **overrides)
+    with pytest.raises(ConfigurationError, match=match) as refused:
+        run_.fit(model, data)
+    assert "or leave uneven_batches off" in str(refused.value)
+    assert run_.global_step == 0
+    assert_same_parameters(parameters(model), before)
 
 
 @pytest.mark.parametrize(
     ("case", "match"),
     [
         ("accumulate", r"accumulate_grad_batches=2\): the last, smaller step .* Use accumulate_grad_batches=1"),
+        (
+            "accumulation schedule",
+            r"GradientAccumulationScheduler\(\{0: 1, 1: 2\}\), which accumulates 2 batches per step from epoch 1:"
+            r" the last, smaller step .* Remove the callback",
+        ),
+        ("accumulation set by a callback", r"accumulate_grad_batches became 2 at epoch 0 \(a callback set it\)"),
         ("manual", r"_Manual sets automatic_optimization = False.* Use automatic optimization"),
         ("dataloader_iter", r"_Iterating.training_step takes dataloader_iter.* Take \(batch, batch_idx\)"),
-        (
-            "own_sampler",
-            r"sampler is SequentialSampler: .*use_distributed_sampler=False\). Give the DataLoader shuffle",
-        ),
-        ("batch_sampler", r"comes from a batch_sampler, which has none. Give the DataLoader batch_size="),
         ("sync_batchnorm", r"cannot train SyncBatchNorm layers \(net.1\).* Drop Trainer\(sync_batchnorm=True\)"),
+        ("SyncBatchNorm layer", r"cannot train SyncBatchNorm layers \(net.1\).* use GroupNorm or LayerNorm"),
     ],
 )
-def test_what_cannot_be_exact_is_refused_before_the_first_step(tmp_path: Path, case: str, match: str) -> None:
+def test_training_that_cannot_be_exact_is_refused_before_the_first_step(tmp_path: Path, case: str, match: str) -> None:
     model: Regressor = {"manual": _Manual, "dataloader_iter": _Iterating}.get(case, Regressor)()
     if case == "sync_batchnorm":
         model.net[1] = nn.BatchNorm1d(8)
-    data = _batch_sampled(10) if case == "batch_sampler" else loader(regression_data(rows=10), 4)
+    if case == "SyncBatchNorm layer":
+        model.net[1] = nn.SyncBatchNorm(8)
     overrides = {
         "accumulate": {"accumulate_grad_batches": 2},
-        "own_sampler": {"use_distributed_sampler": False},
+        "accumulation schedule": {"callbacks": [GradientAccumulationScheduler({0: 1, 1: 2})]},
+        "accumulation set by a callback": {"callbacks": [_AccumulateFromEpochStart()]},
         "sync_batchnorm": {"sync_batchnorm": True},
     }.get(case, {})
-    stepped: list[int] = []
-    model.on_train_batch_start = lambda *args: stepped.append(1)  # type: ignore[method-assign]
-    with pytest.raises(ConfigurationError, match=match) as refused:
-        _fit(model, data, tmp_path, **overrides)
-    assert "or leave uneven_batches off" in str(refused.value)
-    assert not stepped
+    _assert_refused_before_the_first_step(model, loader(regression_data(rows=10), 4), tmp_path, match, **overrides)
+
+
+@pytest.mark.parametrize(
+    ("build", "given", "match"),
+    [
+        pytest.param(
+            _batch_sampled, "fit", r"draws its batches from batch_sampler=BatchSampler, .* Give the DataLoader"
+            r" batch_size=\.\.\. and shuffle=\.\.\. instead", id="batch_sampler",
+        ),
+        pytest.param(
+            _batch_sampled, "train_dataloader", r"draws its batches from batch_sampler=BatchSampler",
+            id="batch_sampler from the hook",  # Lightning would train it with batch_size=1
+        ),
+        pytest.param(
+            lambda: DataLoader(regression_data(rows=10), batch_size=None), "fit",
+            r"has batch_size=None, so every sample is a step of its own", id="batch_size=None",
+        ),
+        pytest.param(
+            _sampled(lambda data: SequentialSampler(range(10))), "train_dataloader",
+            r"sampler=SequentialSampler over another data source than the DataLoader's dataset, whose order the"
+            r" plan cannot follow .* Give the DataLoader shuffle=True or shuffle=False instead of a sampler",
+            id="SequentialSampler of another source",
+        ),
+        pytest.param(
+            _sampled(lambda data: RandomSampler(data, replacement=True)), "fit",
+            r"sampler=RandomSampler with its own replacement=True, whose order", id="RandomSampler with replacement",
+        ),
+        pytest.param(
+            _sampled(lambda data: RandomSampler(data, generator=torch.Generator().manual_seed(3))),
+            "train_dataloader", r"sampler=RandomSampler with its own generator, whose order",
+            id="RandomSampler with a generator",
+        ),
+        pytest.param(
+            _sampled(lambda data: DistributedSampler(data, num_replicas=1, rank=0)), "fit",
+            r"sampler=DistributedSampler, whose order", id="DistributedSampler of one's own",
+        ),
+        pytest.param(
+            _sampled(lambda data: _EveryOther(10)), "train_dataloader", r"sampler=_EveryOther, whose order",
+            id="sampler of one's own",
+        ),
+        pytest.param(
+            lambda: DataLoader(_Stream(), batch_size=2), "fit",
+            r"_Stream is an IterableDataset, .* Use a map-style Dataset", id="IterableDataset",
+        ),
+        pytest.param(
+            _Batches, "fit", r"the training data is a _Batches. Give DataLoader\(dataset, batch_size=",
+            id="not a DataLoader",
+        ),
+        pytest.param(
+            lambda: [loader(regression_data(rows=10), 2), loader(regression_data(rows=6), 2)], "train_dataloader",
+            r"plans every step from one training DataLoader, but the training data holds 2 \(DataLoader,"
+            r" DataLoader\).* ConcatDataset", id="two DataLoaders",
+        ),
+        pytest.param(
+            lambda: loader(regression_data(rows=10), 2), "use_distributed_sampler=False",
+            r"Lightning put none there \(the sampler is SequentialSampler\): Trainer\(use_distributed_sampler=False\)"
+            r" keeps it out. Keep use_distributed_sampler=True", id="use_distributed_sampler=False",
+        ),
+    ],
+)  # fmt: skip
+def test_training_data_that_cannot_be_exact_is_refused_before_the_first_step(
+    tmp_path: Path, build: Callable[[], object], given: str, match: str
+) -> None:
+    if given == "train_dataloader":
+        _assert_refused_before_the_first_step(_from_hook(build), None, tmp_path, match)
+    else:
+        overrides = {"use_distributed_sampler": False} if given == "use_distributed_sampler=False" else {}
+        _assert_refused_before_the_first_step(Regressor(), build(), tmp_path, match, **overrides)
 
 
 def test_post_local_sgd_is_refused_when_the_strategy_is_built() -> None:
@@ -304,19 +443,45 @@ def test_post_local_sgd_is_refused_when_the_strategy_is_built() -> None:
         MGPUDDPStrategy(uneven_batches=True, model_averaging_period=4)
 
 
-def test_one_process_trains_as_one_device_on_lightnings_shuffled_order(tmp_path: Path) -> None:
-    """Lightning shuffles distributed training data with seed 0 + epoch; one process must equal that one device."""
-    ddp = Regressor()
-    run_ = _fit(ddp, loader(regression_data(rows=10), 4), tmp_path, max_epochs=2)
-    assert run_.strategy.uneven_batches
-    single = Regressor()
-    shuffled = [torch.randperm(10, generator=torch.Generator().manual_seed(epoch)) for epoch in range(2)]
-    rows = torch.cat(shuffled)  # two epochs of batches 4, 4, 2 in the permuted order
+@pytest.mark.parametrize(
+    "built",
+    ["shuffle=True", "shuffle=False", "sampler=SequentialSampler", "in train_dataloader", "accumulation schedule of 1"],
+)
+def test_one_process_trains_as_one_device_in_the_order_the_dataloader_was_built_for(tmp_path: Path, built: str) -> None:
+    """``shuffle=True`` shuffles as Lightning's DistributedSampler does (seed 0 + epoch); ``shuffle=False``, or the
+    ``SequentialSampler`` it builds, keeps the dataset's order, as one device would (Lightning's own sampler would
+    shuffle it)."""
     data = regression_data(rows=10)
+    shuffle = built != "shuffle=False" and built != "sampler=SequentialSampler"
+    sampler = SequentialSampler(data) if built == "sampler=SequentialSampler" else None
+    made = DataLoader(data, batch_size=4, shuffle=shuffle if sampler is None else None, sampler=sampler)
+    ddp = _from_hook(lambda: made) if built == "in train_dataloader" else Regressor()
+    callbacks = [GradientAccumulationScheduler({0: 1, 1: 1})] if built == "accumulation schedule of 1" else []
+    run_ = trainer(tmp_path, strategy=MGPUDDPStrategy(uneven_batches=True), max_epochs=2, callbacks=callbacks)
+    run_.fit(ddp, None if built == "in train_dataloader" else made)
+    assert run_.global_step == 6
+    single = Regressor()
+    orders = [_global_order(10, shuffle, seed=0, epoch=epoch) for epoch in range(2)]
+    rows = torch.tensor(orders).reshape(-1)  # two epochs of batches 4, 4, 2 in that order
     in_order = TensorDataset(data.tensors[0][rows], data.tensors[1][rows])
     batches = [list(range(start, min(start + 4, end))) for end in (10, 20) for start in range(end - 10, end, 4)]
     trainer(tmp_path, max_epochs=1).fit(single, DataLoader(in_order, batch_sampler=batches))
     assert_same_parameters(parameters(ddp), parameters(single))
+
+
+@pytest.mark.filterwarnings("ignore:You are trying to `self.log")
+def test_the_batchnorm_warning_advises_what_uneven_batches_accepts() -> None:
+    model = Regressor()
+    model.net[1] = nn.BatchNorm1d(8)
+    environment = LightningEnvironment()
+    environment.set_world_size(2)
+    strategy = MGPUDDPStrategy(uneven_batches=True, cluster_environment=environment)
+    strategy.connect(model)
+    with pytest.warns(UserWarning, match=r"BatchNorm layers \(net.1\) normalise each rank's batch") as warned:
+        strategy.training_step(next(iter(loader(regression_data(rows=4), 4))), 0)
+    advice = next(str(warning.message) for warning in warned if "BatchNorm" in str(warning.message))
+    assert "With uneven_batches=True, use GroupNorm or LayerNorm" in advice
+    assert "or leave uneven_batches off and pass Trainer(sync_batchnorm=True), on GPUs" in advice
 
 
 def test_the_option_is_set_from_yaml_init_args(capsys: pytest.CaptureFixture[str]) -> None:

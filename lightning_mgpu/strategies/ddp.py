@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import inspect
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
@@ -16,13 +17,13 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities import CombinedLoader
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_mgpu._compat import (
-    BatchNorm,
     converts_batchnorm_to_sync,
     epoch_aggregates,
     is_unused_parameters_error,
@@ -32,6 +33,7 @@ from lightning_mgpu._compat import (
     set_logged_batch_size,
     training_batch,
     unused_parameter_indices,
+    watch_training_data,
     with_sampler,
 )
 from lightning_mgpu.errors import ConfigurationError
@@ -40,6 +42,13 @@ from lightning_mgpu.step.hooks import call_step_end
 from lightning_mgpu.strategies.base import MGPUStrategyMixin
 from lightning_mgpu.strategies.launch_checks import check_launch_matches_trainer
 from lightning_mgpu.strategies.samplers import EvenlyShardedSampler, UnevenShardSampler, is_padding_sampler
+from lightning_mgpu.strategies.uneven_checks import (
+    check_accumulation_now,
+    check_uneven_training,
+    lightnings_sampler,
+    shuffles,
+    training_loader,
+)
 
 _EVALUATION_STAGES = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING)
 _EXIT_GRACE_S = 0.1
@@ -162,8 +171,11 @@ class MGPUDDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
             UnevenShardSampler`): the last step's rows are split unevenly, a rank left without a row runs a padding
             row that counts for nothing, and the losses, gradients and ``self.log(..., sync_dist=True)`` means are
             weighted by each rank's real rows. The loss ``training_step`` (or ``training_step_end``) returns must be
-            the mean over its batch's rows. Off by default: training then uses Lightning's ``DistributedSampler``,
-            which pads the last shards with duplicate samples.
+            the mean over its batch's rows. The order is the one the DataLoader was built for (``shuffle=False``
+            keeps the dataset's, which Lightning's own sampler would shuffle); what cannot be made exact
+            (:mod:`~lightning_mgpu.strategies.uneven_checks`) raises ``ConfigurationError`` on every rank before the
+            first step. Off by default: training then uses Lightning's ``DistributedSampler``, which pads the last
+            shards with duplicate samples.
         **kwargs: passed to ``DistributedDataParallel`` (``bucket_cap_mb``, ...); ``ddp_comm_state``,
             ``ddp_comm_hook``, ``ddp_comm_wrapper`` and ``model_averaging_period`` go to Lightning's DDP strategy.
     """
@@ -219,6 +231,8 @@ class MGPUDDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
         self._step_batch: Any = None
         self._padding_step: _PaddingStep | None = None
         self._weighting_paused = False
+        self._training_data: tuple[object] | None = None
+        self._stop_watching: Callable[[], None] | None = None
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -226,13 +240,17 @@ class MGPUDDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
         assert module is not None
         self._prepare_module(trainer, module)
         if self.uneven_batches and trainer.state.fn == TrainerFn.FITTING:
-            self._check_uneven_training(trainer, module)
+            check_uneven_training(trainer, module, converts_batchnorm_to_sync(self))
+            self._stop_watching = watch_training_data(trainer, self._see_training_data)
         super().setup(trainer)
 
     @override
     def teardown(self) -> None:
         self._release_module(self.lightning_module)
-        self._shards = self._step_rows = self._step_batch = self._padding_step = None
+        self._shards = self._step_rows = self._step_batch = self._padding_step = self._training_data = None
+        if self._stop_watching is not None:
+            self._stop_watching()
+            self._stop_watching = None
         super().teardown()
 
     @override
@@ -253,12 +271,7 @@ class MGPUDDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.world_size > 1 and self._health.wants("batchnorm"):
             assert self.lightning_module is not None
-            self._health.check_batchnorm(
-                self.lightning_module,
-                "each rank's batch",
-                "Pass Trainer(sync_batchnorm=True) to convert them to SyncBatchNorm, whose statistics span every"
-                " rank (torch supports it on GPUs only).",
-            )
+            self._health.check_batchnorm(self.lightning_module, "each rank's batch", self._batchnorm_fix())
         with stop_iteration_is_an_error("training_step"):
             output = self._step_end("training_step", super().training_step(*args, **kwargs))
         self._undo_padding_step()
@@ -329,6 +342,7 @@ class MGPUDDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
         trainer = self._trainer()
         if self._shards is None or trainer is None:
             return
+        check_accumulation_now(trainer)
         self._restore_padding_buffers()  # a padding step whose loss had no backward (it returned None)
         self._step_rows = self._shards.rows(batch_idx)
         self._step_batch = batch
@@ -402,61 +416,44 @@ class MGPUDDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
             tensor = _identity(tensor, op)
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
+    def _see_training_data(self, data: object) -> None:
+        self._training_data = (data,)
+
     def _shard_unevenly(self, dataloader: object) -> object:
-        """The training dataloader with an ``UnevenShardSampler`` in place of Lightning's padding sampler."""
-        fix = "or leave uneven_batches off"
-        if not isinstance(dataloader, DataLoader) or dataloader.batch_size is None:
-            kind = "a batch_sampler" if isinstance(dataloader, DataLoader) else f"a {type(dataloader).__name__}"
-            raise ConfigurationError(
-                "MGPUDDPStrategy(uneven_batches=True) needs the training DataLoader's batch_size to plan each rank's"
-                f" rows, but the training data comes from {kind}, which has none. Give the DataLoader batch_size="
-                f"... (and no batch_sampler), {fix}."
-            )
-        sampler = dataloader.sampler
-        if not is_padding_sampler(sampler):
-            raise ConfigurationError(
-                "MGPUDDPStrategy(uneven_batches=True) shards the training data itself, from the DistributedSampler"
-                f" Lightning adds, but the training DataLoader's sampler is {type(sampler).__name__}: a sampler of"
-                " your own, an IterableDataset, or Trainer(use_distributed_sampler=False). Give the DataLoader"
-                " shuffle=True or False instead of a sampler and keep Trainer(use_distributed_sampler=True)"
-                f" (the default), {fix}."
-            )
-        assert isinstance(sampler, torch.utils.data.DistributedSampler)
-        drop_last = dataloader.drop_last or sampler.drop_last
-        self._shards = UnevenShardSampler.like(sampler, dataloader.batch_size, drop_last=drop_last)
+        """The training DataLoader with an ``UnevenShardSampler`` in place of Lightning's padding sampler.
+
+        What the plan can follow is judged on the training data as it was built (``_see_training_data`` received it
+        from Lightning's fetch); the ranks and the seed come from the ``DistributedSampler`` Lightning put in its
+        rebuilt copy, the order from how the DataLoader was built: ``shuffle=True`` shuffles as that sampler does,
+        ``shuffle=False`` keeps the dataset's order, as one device would.
+        """
+        assert self._training_data is not None, "setup watches the training data source before Lightning fetches it"
+        data = self._training_data[0]
+        built = training_loader((data if isinstance(data, CombinedLoader) else CombinedLoader(data)).flattened)
+        assert isinstance(dataloader, DataLoader), "Lightning's copy of a DataLoader is a DataLoader"
+        assert built.batch_size is not None, "training_loader refuses DataLoaders without a batch_size"
+        sampler = lightnings_sampler(dataloader)
+        self._shards = UnevenShardSampler.like(
+            sampler,
+            built.batch_size,
+            drop_last=dataloader.drop_last or sampler.drop_last,
+            shuffle=sampler.shuffle and shuffles(built),
+        )
         return with_sampler(dataloader, self._shards)
 
-    def _check_uneven_training(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        """Refuse, before the first step, what ``uneven_batches`` cannot make equal to one device."""
-        fix = "or leave uneven_batches off"
-        if trainer.accumulate_grad_batches > 1:
-            raise ConfigurationError(
-                "MGPUDDPStrategy(uneven_batches=True) cannot be combined with Trainer(accumulate_grad_batches="
-                f"{trainer.accumulate_grad_batches}): the last, smaller step of an epoch would be accumulated with"
-                " full ones at equal weight. Use accumulate_grad_batches=1 with a batch_size that many times larger,"
-                f" {fix}."
+    def _batchnorm_fix(self) -> str:
+        """How to make BatchNorm layers train as on one device, with what this strategy's settings accept."""
+        if not self.uneven_batches:
+            return (
+                "Pass Trainer(sync_batchnorm=True) to convert them to SyncBatchNorm, whose statistics span every"
+                " rank (torch supports it on GPUs only)."
             )
-        if not module.automatic_optimization:
-            raise ConfigurationError(
-                "MGPUDDPStrategy(uneven_batches=True) weights each rank's loss inside Lightning's automatic"
-                f" optimization, but {type(module).__name__} sets automatic_optimization = False, where the strategy"
-                f" cannot tell which backward is the step's loss. Use automatic optimization, {fix}."
-            )
-        if "dataloader_iter" in inspect.signature(module.training_step).parameters:
-            raise ConfigurationError(
-                f"MGPUDDPStrategy(uneven_batches=True) needs to know which batch each step trains on, but"
-                f" {type(module).__name__}.training_step takes dataloader_iter and fetches batches itself."
-                f" Take (batch, batch_idx), {fix}."
-            )
-        synced = BatchNorm if converts_batchnorm_to_sync(self) else torch.nn.SyncBatchNorm
-        names = [name for name, layer in module.named_modules() if isinstance(layer, synced)]
-        if names:
-            raise ConfigurationError(
-                "MGPUDDPStrategy(uneven_batches=True) cannot train SyncBatchNorm layers"
-                f" ({', '.join(names)}): their batch statistics span every rank and would include the padding row of"
-                " a rank left without real rows. Drop Trainer(sync_batchnorm=True) or use GroupNorm or LayerNorm,"
-                " or leave uneven_batches off."
-            )
+        return (
+            "With uneven_batches=True, use GroupNorm or LayerNorm, which normalise each row on its own (in the last"
+            " step of an epoch a rank may hold a single row, or a padding row, and SyncBatchNorm is refused because"
+            " its statistics would take in the padding row); or leave uneven_batches off and pass"
+            " Trainer(sync_batchnorm=True), on GPUs."
+        )
 
     def _undo_padding_step(self) -> None:
         """After a step on a padding row, put back the metric states and epoch aggregates that row changed.

@@ -81,14 +81,20 @@ class UnevenShardSampler(Sampler[int]):
         self.epoch = 0
 
     @classmethod
-    def like(cls, sampler: DistributedSampler, batch_size: int, drop_last: bool = False) -> UnevenShardSampler:
-        """The uneven counterpart of the padding ``DistributedSampler`` that Lightning made for training."""
+    def like(
+        cls, sampler: DistributedSampler, batch_size: int, drop_last: bool = False, shuffle: bool | None = None
+    ) -> UnevenShardSampler:
+        """The uneven counterpart of the padding ``DistributedSampler`` that Lightning made for training.
+
+        Lightning's sampler shuffles training data even when the DataLoader was built with ``shuffle=False``;
+        ``shuffle`` overrides it, so the plan can keep the order one device would train in.
+        """
         return cls(
             sampler.dataset,  # type: ignore[arg-type]
             batch_size=batch_size,
             num_replicas=sampler.num_replicas,
             rank=sampler.rank,
-            shuffle=sampler.shuffle,
+            shuffle=sampler.shuffle if shuffle is None else shuffle,
             seed=sampler.seed,
             drop_last=drop_last,
         )
