@@ -100,6 +100,22 @@ class BatchNormSubclassNet(BatchNormNet):
         self.layer = nn.Sequential(nn.Linear(4, 8), _BatchNormThenReLU(8), nn.Linear(8, 1))
 
 
+class _HandMadeBatchNorm(nn.BatchNorm1d):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean, var = x.mean(0), x.var(0, unbiased=False)
+        with torch.no_grad():
+            self.running_mean.lerp_(mean, 0.1)
+        return (x - mean) / (var + self.eps).sqrt() * self.weight + self.bias
+
+
+class HandMadeBatchNormNet(BatchNormNet):
+    """A BatchNorm subclass that normalises by statistics of its own, not through torch's batch-norm function."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Sequential(nn.Linear(4, 8), _HandMadeBatchNorm(8), nn.Linear(8, 1))
+
+
 class CenteredNet(_Net):
     """Subtracts the batch mean inside training_step; the loss itself is per-sample and fine."""
 
@@ -268,3 +284,20 @@ class CountMeanLossNet(_Net):
         counted = (y > 0).squeeze(1)
         loss = (self.layer(x) - y).pow(2).squeeze(1)[counted].mean()
         return {"loss": loss, "loss_weight": counted.sum()} if self.weighted else {"loss": loss}
+
+
+class InBatchNegativesNet(L.LightningModule):
+    """A contrastive loss computed in training_step: each row's positive scored against the batch's other rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.left = nn.Linear(4, 3)
+        self.right = nn.Linear(1, 3)
+
+    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = F.normalize(self.left(x), dim=1) @ F.normalize(self.right(y), dim=1).T * 5
+        return F.cross_entropy(logits, torch.arange(len(x)))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)

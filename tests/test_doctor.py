@@ -100,10 +100,18 @@ def test_batchnorm_with_per_replica_statistics_is_named_as_the_cause() -> None:
     assert verdicts(report)["layer.1.running_mean"] == "differs"
     step = message_of(report, "batch-dependent", "step output")
     assert "here BatchNorm (layer.1) normalising each chunk by its own statistics" in step
-    assert "keep MGPUDPStrategy's default sync_batchnorm=True" in step
+    assert "leave MGPUDPStrategy's sync_batchnorm at its default, True" in step
     batchnorm = message_of(report, "batchnorm", "layer.1")
     assert "its running statistics `layer.1.running_mean`, `layer.1.running_var` differ after the step" in batchnorm
     assert "BatchNorm layers normalise each chunk by its own statistics in the split run" in report.notes[0]
+
+
+def test_batchnorm_that_normalises_by_hand_is_not_told_to_keep_the_exchange_it_already_has() -> None:
+    report = doctor("HandMadeBatchNormNet")
+    step = message_of(report, "batch-dependent", "step output")
+    assert "here BatchNorm (layer.1) normalising each chunk by its own statistics" in step
+    assert "although every call of torch's batch-norm function (F.batch_norm) received the whole batch's" in step
+    assert "sync_batchnorm" not in step
 
 
 def test_batchnorm_under_ddp_suggests_sync_batchnorm() -> None:
@@ -478,6 +486,21 @@ def test_a_mean_over_a_count_other_than_rows_points_to_loss_weight() -> None:
     report = doctor("CountMeanLossNet")
     message = message_of(report, "batch-dependent", "output['loss']")
     assert "return {'loss': loss, 'loss_weight': count} from training_step" in message
+    assert message.index("loss_weight") < message.index("Move the batch-wise computation")
+    data = ProbeData()
+    data.setup("fit")
+    assert data.dataset is not None
+    counted = [int((data.dataset.tensors[1][rows] > 0).sum()) for rows in (slice(0, 4), slice(4, 8))]
+    expected = " : ".join(f"{count / sum(counted):.3g}" for count in counted)
+    assert f"the chunks' own weighted {expected}, not by rows" in message
     weighted = doctor("CountMeanLossNet", init_args={"weighted": True})
     assert [finding for finding in weighted.findings if finding.level == "error"] == []
     assert verdicts(weighted)["output['loss']"] == "same"
+
+
+def test_in_batch_negatives_point_to_training_step_end_not_to_loss_weight() -> None:
+    report = doctor("InBatchNegativesNet")
+    message = message_of(report, "batch-dependent", "output")
+    assert "No weighting of the chunks' own losses gives the whole batch's loss and gradients" in message
+    assert "{'loss': loss, 'loss_weight': count}" not in message
+    assert message.index("loss_weight cannot fix it") < message.index("Move the batch-wise computation")

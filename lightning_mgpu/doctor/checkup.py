@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 
 from lightning_mgpu.checks import Finding, check_model
 from lightning_mgpu.doctor.compare import compare_runs, differing
@@ -28,7 +29,15 @@ from lightning_mgpu.doctor.findings import (
 )
 from lightning_mgpu.doctor.inputs import DoctorError, instantiate, probe_batch, read_config, resolve
 from lightning_mgpu.doctor.report import TARGETS, DoctorReport, Target
-from lightning_mgpu.doctor.runs import DROPOUT, quiet_unattached_logging, run_reference, run_split, seed_all
+from lightning_mgpu.doctor.runs import (
+    DROPOUT,
+    Run,
+    quiet_unattached_logging,
+    run_chunks,
+    run_reference,
+    run_split,
+    seed_all,
+)
 from lightning_mgpu.engine import chunk_sizes
 from lightning_mgpu.engine.scatter import batch_size_of
 from lightning_mgpu.errors import BatchSplitError
@@ -179,9 +188,47 @@ def diagnose(
             step_end=reference.step_end,
             assigned=tuple(reference.assigned),
             batchnorms=tuple(batchnorm_names(model)),
+            statistics_exchanged=sync_batchnorm,
+            chunk_weights=_chunk_weights(model, batch, seed, replicas, reference, atol, rtol),
         )
         report.findings.extend(difference_findings(differences, report))
     return _sorted(report)
+
+
+def _chunk_weights(
+    model: pl.LightningModule, batch: Any, seed: int, replicas: int, reference: Run, atol: float, rtol: float
+) -> tuple[float, ...] | None:
+    """The weights that make the whole batch's loss and gradients the mean of its chunks' own, if there are any.
+
+    Each chunk runs on one device on its own. A loss that is a mean of per-row or per-token terms is the mean of the
+    chunks' losses weighted by their counts, and so are its gradients: the least-squares weights reproduce both.
+    A loss that compares rows across the batch (in-batch negatives) is no such mean: ``()``. ``None`` where there is
+    nothing to weigh (a ``training_step_end``, a loss that is not a scalar with gradients).
+    """
+    if reference.step_end or not reference.backward_done:
+        return None
+    with quiet_unattached_logging():
+        chunks = run_chunks(model, batch, seed, replicas)
+    if any(not chunk.backward_done for chunk in chunks):
+        return None
+    target = _loss_and_gradients(reference, reference)
+    columns = torch.stack([_loss_and_gradients(chunk, reference) for chunk in chunks], dim=1)
+    weights = torch.linalg.lstsq(columns, target.unsqueeze(1)).solution.squeeze(1)
+    missed = (columns @ weights - target).abs().max()
+    if missed > atol + rtol * target.abs().max() or bool((weights < 0).any()):
+        return ()
+    return tuple((weights / weights.sum()).tolist())
+
+
+def _loss_and_gradients(run: Run, like: Run) -> torch.Tensor:
+    """``run``'s loss and every gradient of the parameters ``like`` has, as one float64 vector (no gradient: 0)."""
+    assert run.loss is not None
+    parts = [run.loss.detach().reshape(1)]
+    for name, expected in like.grads.items():
+        grad = run.grads.get(name)
+        if expected is not None:
+            parts.append((torch.zeros_like(expected) if grad is None else grad).reshape(-1))
+    return torch.cat([part.double() for part in parts])
 
 
 def _check_options(replicas: int, target: str, atol: float, rtol: float) -> None:

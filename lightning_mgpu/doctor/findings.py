@@ -129,6 +129,10 @@ class Differences:
         step_end: whether the module defines ``training_step_end``.
         assigned: the attributes that ``training_step`` assigned on the module on one device.
         batchnorms: the BatchNorm layers of the model that normalise by their own batch.
+        statistics_exchanged: whether the split run gave BatchNorm the whole batch's statistics
+            (``sync_batchnorm=True``), so a BatchNorm layer that still differs is not fixed by that option.
+        chunk_weights: the weights (summing to 1) that make the whole batch's loss and gradients the mean of those
+            of each replica's chunk run on its own; ``()`` when no weights do, ``None`` when not measured.
     """
 
     differing: list[Comparison]
@@ -137,6 +141,8 @@ class Differences:
     step_end: bool = False
     assigned: tuple[str, ...] = ()
     batchnorms: tuple[str, ...] = ()
+    statistics_exchanged: bool = False
+    chunk_weights: tuple[float, ...] | None = None
 
     def of(self, kind: Kind) -> list[Comparison]:
         """The differing comparisons of one stage."""
@@ -198,7 +204,7 @@ class _Wording:
             level="warning" if differences.random else "error",
             between=f"between one device and {chunks} rows on {len(report.chunk_sizes)} replicas",
             cause=f", here BatchNorm ({batchnorms}) normalising each chunk by its own statistics" if batchnorms else "",
-            fix=_batch_dependent_fix(report.target, bool(batchnorms)),
+            fix=_batch_dependent_fix(report.target, bool(batchnorms), differences.statistics_exchanged),
             doubt=(
                 " The step is random outside nn.Dropout (see random-step), so this may be that randomness only."
                 if differences.random
@@ -251,19 +257,40 @@ def _root_finding(comparison: Comparison, differences: Differences, text: _Wordi
         text.level,
         "batch-dependent",
         comparison.what,
-        f"{batch_wise} {_loss_weight_hint(comparison, differences, text)}{text.fix}{text.doubt}",
+        f"{batch_wise} {_loss_hint(comparison, differences, text)}{text.fix}{text.doubt}",
     )
 
 
-def _loss_weight_hint(comparison: Comparison, differences: Differences, text: _Wording) -> str:
-    """For a loss combined by rows: the way to state the count it is a mean over, when that is not the rows."""
+def _loss_hint(comparison: Comparison, differences: Differences, text: _Wording) -> str:
+    """For a loss combined by weights, what the chunks' own losses show, which decides the first fix to offer.
+
+    A mean over a count other than the rows (tokens, unmasked positions) lies between its chunks' losses, and
+    ``loss_weight`` makes the combination exact; a loss outside them compares rows across the batch, which only
+    moving the work into ``training_step_end`` fixes.
+    """
     if differences.step_end or text.target == "mgpu_ddp" or comparison.what not in ("output", "output['loss']"):
         return ""
+    weights = differences.chunk_weights
+    if weights == ():
+        return (
+            "No weighting of the chunks' own losses gives the whole batch's loss and gradients, so loss_weight"
+            " cannot fix it: the step compares rows across the batch, as in-batch negatives or a ranking over the"
+            " batch do. "
+        )
+    found = (
+        f" (here the whole batch's loss and gradients are the chunks' own weighted {_ratio(weights)}, not by rows)"
+        if weights
+        else ""
+    )
     return (
         "If the loss is a mean over a count other than the rows (tokens, unmasked positions, pairs), return"
         " {'loss': loss, 'loss_weight': count} from training_step: mgpu_dp then weighs each replica's loss by its"
-        " count instead of its rows, which equals one device's mean. Otherwise: "
+        f" count instead of its rows, which equals one device's mean{found}. Otherwise: "
     )
+
+
+def _ratio(weights: tuple[float, ...]) -> str:
+    return " : ".join(f"{weight:.3g}" for weight in weights)
 
 
 def _follow_on(
@@ -419,22 +446,29 @@ def _per_replica_batchnorm(layer: str, statistics: list[Comparison], text: _Word
     )
 
 
-def _batch_dependent_fix(target: Target, batchnorm: bool) -> str:
+def _batch_dependent_fix(target: Target, batchnorm: bool, statistics_exchanged: bool) -> str:
     if target == "mgpu_ddp":
         return (
             "Under mgpu_ddp training_step_end receives only the rank's own output: gather what must span the global"
             " batch there with self.all_gather(..., sync_grads=True)"
             + ("; for BatchNorm, pass Trainer(sync_batchnorm=True)." if batchnorm else ".")
         )
+    if not batchnorm:
+        batchnorm_fix = "."
+    elif statistics_exchanged:
+        batchnorm_fix = (
+            "; the BatchNorm layers differ although every call of torch's batch-norm function (F.batch_norm)"
+            " received the whole batch's statistics, so they normalise some other way: compute the normalisation"
+            " with F.batch_norm, or replace them by GroupNorm or LayerNorm."
+        )
+    else:
+        batchnorm_fix = (
+            "; for BatchNorm, leave MGPUDPStrategy's sync_batchnorm at its default, True, which gives every replica"
+            " the whole batch's statistics."
+        )
     return (
         "Move the batch-wise computation (means over the batch, in-batch negatives, top-k across the batch) into"
-        " training_step_end, which receives the outputs of every replica gathered"
-        + (
-            "; for BatchNorm, keep MGPUDPStrategy's default sync_batchnorm=True, which gives every replica the"
-            " whole batch's statistics."
-            if batchnorm
-            else "."
-        )
+        " training_step_end, which receives the outputs of every replica gathered" + batchnorm_fix
     )
 
 

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from lightning_mgpu.engine import MGPUDataParallel
+from lightning_mgpu.engine.scatter import scatter_to_devices
 from lightning_mgpu.step.hooks import STEP_END_HOOKS, call_step_end, caller_runs_step_end, find_loss, has_step_end
 from lightning_mgpu.step.replicas import mark_outside_replicas, run_replica_step
 
@@ -96,6 +97,17 @@ def run_split(model: pl.LightningModule, batch: Any, seed: int, replicas: int, s
     finally:
         wrapper.close()
     return run
+
+
+def run_chunks(model: pl.LightningModule, batch: Any, seed: int, replicas: int) -> list[Run]:
+    """The step on one device on each chunk that the split run gives a replica, on its own.
+
+    The loss of the whole batch is a weighted mean of these chunks' losses when it is a mean of per-row (or
+    per-token) terms, which ``loss_weight`` can reproduce; when it lies outside them, the step compares rows across
+    the batch and no weighting can.
+    """
+    chunks, _, _ = scatter_to_devices(batch, [torch.device("cpu")] * replicas)
+    return [run_reference(model, chunk, seed) for chunk in chunks]
 
 
 def _fresh_copy(model: pl.LightningModule) -> pl.LightningModule:
