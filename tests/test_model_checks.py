@@ -498,6 +498,7 @@ def _found_where(module: nn.Module) -> set[str]:
     return {finding.where for finding in check_model(module)}
 
 
+@pytest.mark.libraries
 def test_a_model_librarys_own_plain_attributes_pass_and_a_users_subclass_is_judged_on_its_additions() -> None:
     from torchvision.models.detection.anchor_utils import AnchorGenerator
 

@@ -30,17 +30,28 @@ def _ci_script() -> str:
     return (ROOT / ".ci" / "run").read_text()
 
 
+def _oldest(name: str) -> Version:
+    pinned = re.search(rf'^OLDEST_{name.upper()}="([\d.]+)"$', _ci_script(), flags=re.MULTILINE)
+    assert pinned, f".ci/run names the oldest {name} it runs the suite on"
+    return Version(pinned.group(1))
+
+
 def test_the_oldest_lightning_ci_runs_is_the_floor() -> None:
-    oldest = re.search(r'^OLDEST_LIGHTNING="([\d.]+)"$', _ci_script(), flags=re.MULTILINE)
-    assert oldest, ".ci/run names the oldest Lightning it runs the suite on"
-    assert Version(oldest.group(1)).release[:2] == _floor(_requirements()["lightning"]).release[:2]
+    assert _oldest("lightning").release[:2] == _floor(_requirements()["lightning"]).release[:2]
 
 
-def test_the_torch_ci_installs_is_the_floor() -> None:
-    pinned = re.search(r"pip install torch==([\d.]+)", _ci_script())
-    assert pinned, ".ci/run installs a pinned torch first, as the README does"
-    assert Version(pinned.group(1)).release[:2] == _floor(_requirements()["torch"]).release[:2]
-    assert pinned.group(0) in (ROOT / "README.md").read_text()
+def test_the_oldest_torch_ci_runs_is_the_floor() -> None:
+    assert _oldest("torch").release[:2] == _floor(_requirements()["torch"]).release[:2]
+    assert '-m pip install "torch==$OLDEST_TORCH"' in _ci_script()
+
+
+def test_ci_sets_up_and_tests_exactly_as_the_readme_says() -> None:
+    readme = (ROOT / "README.md").read_text()
+    setup_and_test = r"^(python -m pip install torch==.*) && (python -m pip install -e .*) && (python -m pytest -q)$"
+    command = re.search(setup_and_test, readme, flags=re.MULTILINE)
+    assert command, "the README shows one line that sets up and runs the tests"
+    lines = _ci_script().splitlines()
+    assert [line for line in lines if line in command.groups()] == list(command.groups())
 
 
 def test_the_python_floor_is_the_python_ci_runs() -> None:
