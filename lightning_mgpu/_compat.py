@@ -137,11 +137,6 @@ def names_rewritten_by_hooks(module: nn.Module, owned: Callable[[type], bool]) -
     return names
 
 
-def is_torch_class(cls: type) -> bool:
-    """Whether ``cls`` is defined by torch itself."""
-    return str(getattr(cls, "__module__", "")).partition(".")[0] == "torch"
-
-
 _len_torch_function_stack: Callable[[], int] | None = getattr(torch._C, "_len_torch_function_stack", None)
 
 

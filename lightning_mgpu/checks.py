@@ -218,7 +218,7 @@ def check_model(module: nn.Module) -> list[Finding]:
                 for finding in _check_attribute(where, value)
                 if not (name in allowed and finding.check in _ONLY_TENSORS)
             ]
-            if found and not _stored_by_library_code(submodule, name):
+            if found and not kept_by_library(submodule, name):
                 findings.extend(found)
     findings.extend(
         Finding(
@@ -271,7 +271,7 @@ def _frame_without_callers() -> types.FrameType | None:
     return generator.gi_frame
 
 
-def _stored_by_library_code(module: nn.Module, name: str) -> bool:
+def kept_by_library(module: nn.Module, name: str) -> bool:
     """Whether attribute ``name`` of ``module`` is kept by a library's class (``_LIBRARY_PACKAGES``), not by you."""
     if name in names_rewritten_by_hooks(module, _is_library):
         return True

@@ -494,6 +494,33 @@ def test_attributes_assigned_in_a_replica_are_named_in_a_warning() -> None:
     assert not hasattr(model.net[0], "calls")
 
 
+@pytest.mark.libraries
+def test_caches_a_model_library_reassigns_in_its_own_forward_are_not_reported() -> None:
+    from collections import OrderedDict
+
+    from torchvision.ops import MultiScaleRoIAlign
+
+    class Pooled(Regressor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pool = MultiScaleRoIAlign(["0"], output_size=1, sampling_ratio=1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            features = OrderedDict({"0": x.reshape(-1, 1, 2, 2)})
+            boxes = [torch.tensor([[0.0, 0.0, 2.0, 2.0]])] * len(x)
+            pooled = self.pool(features, boxes, [(2, 2)] * len(x)).reshape(len(x), 1)
+            self.seen = len(x)
+            return super().training_step((x * pooled, y), batch_idx)
+
+    with pytest.warns(UserWarning, match="inside the replicas") as caught:
+        _fit(Pooled(), 4, devices=2, strategy="mgpu_dp", max_steps=1)
+    assigned = [str(warning.message) for warning in caught if "inside the replicas" in str(warning.message)]
+    assert len(assigned) == 1
+    assert "assigned self.seen inside the replicas" in assigned[0], "the module's own attribute is still named"
+    assert "pool." not in assigned[0], "torchvision recomputes its scales and map_levels on every forward"
+
+
 def _attribute_names(model: nn.Module) -> dict[str, list[str]]:
     return {name: sorted(vars(module)) for name, module in model.named_modules()}
 

@@ -216,23 +216,27 @@ def all_on(modules: list[nn.Module], device: torch.device) -> bool:
     return True
 
 
-def assigned_attributes(module: nn.Module, replica: nn.Module, ignore: frozenset[str]) -> list[str]:
+def assigned_attributes(
+    module: nn.Module, replica: nn.Module, ignore: frozenset[str], kept: Callable[[nn.Module, str], bool]
+) -> list[str]:
     """The public plain attributes that ``replica`` (or a module inside it) assigned, as dotted paths.
 
     They live on the replica only and are gone after the call; names starting with ``_`` and those in ``ignore``
-    are bookkeeping of torch, Lightning or the caller, not state the model meant to keep.
+    are bookkeeping of torch, Lightning or the caller, not state the model meant to keep, and so is an attribute
+    for which ``kept(original_module, name)`` says that the module's own library code recomputes it (a torch hook's
+    weight, torchvision's anchor cache).
     """
     assigned: list[str] = []
     for (prefix, original), shell in zip(module.named_modules(), replica.modules(), strict=True):
         state = original.__dict__
-        changed = [
-            name
+        assigned.extend(
+            f"{prefix}.{name}" if prefix else name
             for name, value in shell.__dict__.items()
-            if name[0] != "_" and name not in ignore and state.get(name, _MISSING) is not value
-        ]
-        if changed:  # what torch's own hooks recompute before every forward (weight_norm's weight) is not lost
-            rewritten = _compat.names_rewritten_by_hooks(original, _compat.is_torch_class)
-            assigned.extend(f"{prefix}.{name}" if prefix else name for name in changed if name not in rewritten)
+            if name[0] != "_"
+            and name not in ignore
+            and state.get(name, _MISSING) is not value
+            and not kept(original, name)
+        )
     return assigned
 
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from lightning_mgpu._compat import set_lightning_device
+from lightning_mgpu.checks import kept_by_library
 from lightning_mgpu.engine import MGPUDataParallel, ReplicaOutputs, weighted_mean
 from lightning_mgpu.engine.replicate import assigned_attributes, modules_of
 from lightning_mgpu.errors import ConfigurationError
@@ -53,7 +54,7 @@ def run_replica_step(
     replica_outputs = wrapper.run(step, args[0], args[1:], kwargs, context=context, prepare_replica=prepare)
     replay(logs, module, wrapper.root_device)
     if health is not None and health.wants(f"attributes in {step}"):
-        assigned = assigned_attributes(module, replica_outputs.replicas[0], _SET_BY_PREPARE)
+        assigned = assigned_attributes(module, replica_outputs.replicas[0], _SET_BY_PREPARE, kept_by_library)
         health.check_assigned(assigned, step)
     gathered = wrapper.gather(replica_outputs.outputs, replica_outputs.sizes, step)
     if has_step_end(module, step):
