@@ -3,6 +3,7 @@ import subprocess
 import sys
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +17,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 from processes import SELECTED_LAUNCHES  # noqa: E402
 
 import lightning_mgpu  # noqa: E402,F401  (registers the strategies)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """A run that leaves out the ``libraries`` tests does not import the library zoo, so it needs no library."""
+    if collection_path.name == "test_library_zoo.py" and "not libraries" in (config.option.markexpr or ""):
+        return True
+    return None
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
