@@ -184,6 +184,15 @@ def test_batchnorm_compiled_with_fullgraph_is_refused_before_any_replica_runs(in
     MGPUDataParallel(model, [torch.device("cpu")]).close()
 
 
+def test_fit_with_batchnorm_compiled_with_fullgraph_stops_before_the_first_step() -> None:
+    model = _Normalised()
+    model.net[1].compile(fullgraph=True, backend="eager")
+    before = {name: value.clone() for name, value in parameters(model).items()}
+    with pytest.raises(ConfigurationError, match=r"`net\.1` run\(s\) inside a module compiled with fullgraph=True"):
+        _fit(model, devices=2, strategy="mgpu_dp")
+    assert_same_parameters(before, parameters(model))
+
+
 def test_half_precision_inputs_keep_their_dtype_and_match_one_device() -> None:
     torch.manual_seed(0)
     layer = nn.BatchNorm1d(3).to(torch.bfloat16)
