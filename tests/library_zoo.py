@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import lightning as L
@@ -27,6 +28,7 @@ from torchvision.models.detection.backbone_utils import BackboneWithFPN
 from torchvision.ops import FrozenBatchNorm2d
 from torchvision.ops.feature_pyramid_network import LastLevelP6P7
 
+import lightning_mgpu
 from lightning_mgpu import MGPUMixin, PerSample
 
 DP_BATCHES = (5, 7, 4)
@@ -577,6 +579,12 @@ def train(entry: Entry, loader: DataLoader[Any], **trainer_kwargs: Any) -> Outco
     fitting = trainer(max_epochs=1, **trainer_kwargs)
     fitting.fit(model, loader)
     return Outcome(initial, snapshot(model), fitting.global_step)
+
+
+def train_ddp(entry: Entry, timeout: float) -> Outcome:
+    """``train`` in a rank of a two-process mgpu_ddp job (``scripts/zoo_ddp.py``) with ``uneven_batches=True``."""
+    strategy = lightning_mgpu.MGPUDDPStrategy(uneven_batches=True, timeout=timedelta(seconds=timeout))
+    return train(entry, ddp_loader(entry, DDP_BATCH), accelerator="cpu", devices=DDP_WORLD_SIZE, strategy=strategy)
 
 
 def max_difference(got: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]) -> float:

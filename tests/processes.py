@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,8 @@ from models import Regressor, loader, parameters, regression_data, trainer
 DDP_SCRIPT = Path(__file__).parent / "scripts" / "ddp_train.py"
 """The two-process training script: ``--out`` receives ``rank{N}.json`` reports and ``params.pt``."""
 DDP_TIMEOUT = 180
+ZOO_SCRIPT = Path(__file__).parent / "scripts" / "zoo_ddp.py"
+"""Trains entries of a zoo module (``tests/zoo.py``, ``tests/library_zoo.py``) in one two-process mgpu_ddp job."""
 
 SELECTED_LAUNCHES = pytest.StashKey[set[str]]()
 """``config.stash`` key: the ``launch`` parameters of the selected tests that request a ``launches`` fixture."""
@@ -73,3 +77,43 @@ def single_device_parameters(epochs: int = 2, batch: int = 4) -> dict[str, torch
     model = Regressor()
     trainer(max_epochs=epochs).fit(model, loader(regression_data(), batch))
     return parameters(model)
+
+
+def run_zoo_job(zoo: str, out: Path, names: Sequence[str], timeout: float) -> str:
+    """Train ``names`` of the zoo module ``zoo`` in one two-process mgpu_ddp job (``scripts/zoo_ddp.py``).
+
+    Each rank leaves ``<name>.rank<r>.pt`` or ``<name>.rank<r>.error`` in ``out`` (read them with ``zoo_result``).
+    The job runs in a session of its own, so a hang past ``timeout`` ends every rank. Returns the job's stderr.
+    """
+    command = [sys.executable, str(ZOO_SCRIPT), "--zoo", zoo, "--out", str(out), *names]
+    process = subprocess.Popen(
+        command,
+        env=clean_env(MASTER_PORT=str(free_port())),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # the ranks Lightning starts share this session
+    )
+    try:
+        _, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        _, stderr = process.communicate()
+        stderr += f"\nThe job was killed after {timeout:.0f} s."
+    return stderr
+
+
+def zoo_result(out: Path, name: str, rank: int, stderr: str) -> dict[str, Any]:
+    """What rank ``rank`` of a ``run_zoo_job`` job saved for ``name``; the test fails with the reason if nothing."""
+    error = out / f"{name}.rank{rank}.error"
+    if error.exists():
+        pytest.fail(f"{name} failed on rank {rank}:\n{_tail(error.read_text())}")
+    result = out / f"{name}.rank{rank}.pt"
+    if not result.exists():
+        pytest.fail(f"the job ended before rank {rank} finished {name}:\n{_tail(stderr)}")
+    saved: dict[str, Any] = torch.load(result, weights_only=True)
+    return saved
+
+
+def _tail(text: str, lines: int = 25) -> str:
+    return "\n".join(text.splitlines()[-lines:])

@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 import functools
-import os
-import signal
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
-import torch
-from processes import clean_env, free_port
+from processes import run_zoo_job, zoo_result
 from zoo import (
     DDP_BATCH,
     DDP_WORLD_SIZE,
@@ -27,7 +22,6 @@ from zoo import (
     train,
 )
 
-SCRIPT = Path(__file__).parent / "scripts" / "zoo_ddp.py"
 LAUNCH_TIMEOUT = 240
 
 DP_ENTRIES = [pytest.param(name, id=name) for name in ZOO]
@@ -63,36 +57,11 @@ def test_mgpu_dp_fit_leaves_the_model_structure_as_it_was(name: str) -> None:
 def ddp_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """Every DDP entry trained, one after another, in one two-process mgpu_ddp job; its output folder and stderr."""
     out = tmp_path_factory.mktemp("zoo_ddp")
-    command = [sys.executable, str(SCRIPT), "--out", str(out), *DDP_ZOO]
-    process = subprocess.Popen(
-        command,
-        env=clean_env(MASTER_PORT=str(free_port())),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # the ranks Lightning starts share this session, so a hang ends them all
-    )
-    try:
-        _, stderr = process.communicate(timeout=LAUNCH_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        _, stderr = process.communicate()
-        stderr += f"\nThe job was killed after {LAUNCH_TIMEOUT} s."
-    return out, stderr
-
-
-def _tail(text: str, lines: int = 25) -> str:
-    return "\n".join(text.splitlines()[-lines:])
+    return out, run_zoo_job("zoo", out, DDP_ZOO, LAUNCH_TIMEOUT)
 
 
 def _ddp_outcome(out: Path, name: str, rank: int, stderr: str) -> Outcome:
-    error = out / f"{name}.rank{rank}.error"
-    if error.exists():
-        pytest.fail(f"{name} failed on rank {rank}:\n{_tail(error.read_text())}")
-    result = out / f"{name}.rank{rank}.pt"
-    if not result.exists():
-        pytest.fail(f"the job ended before rank {rank} finished {name}:\n{_tail(stderr)}")
-    return Outcome(**torch.load(result, weights_only=True))
+    return Outcome(**zoo_result(out, name, rank, stderr))
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ import functools
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import lightning as L
@@ -21,6 +22,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+import lightning_mgpu
 from lightning_mgpu import MGPUMixin
 
 DP_BATCH = 5
@@ -799,6 +801,20 @@ def train(entry: Entry, batch_size: int, distributed: bool = False, **trainer_kw
     fitting.fit(model, DataLoader(dataset, batch_size=batch_size, shuffle=False, sampler=sampler))
     metrics = {name: value.detach().clone() for name, value in fitting.callback_metrics.items()}
     return Outcome(snapshot(model), metrics, initial, before, structure(model))
+
+
+def train_ddp(entry: Entry, timeout: float) -> Outcome:
+    """``train`` in a rank of a two-process mgpu_ddp job (``scripts/zoo_ddp.py``), ``DDP_BATCH`` rows per rank."""
+    strategy = lightning_mgpu.MGPUDDPStrategy(timeout=timedelta(seconds=timeout))
+    return train(
+        entry,
+        DDP_BATCH,
+        distributed=True,
+        accelerator="cpu",
+        devices=DDP_WORLD_SIZE,
+        strategy=strategy,
+        use_distributed_sampler=False,
+    )
 
 
 def assert_close_tensors(
