@@ -9,7 +9,8 @@ torch:
     state: a module's own replication hook (RNNs keep caches of their weights), the forward that
     ``torch.compile(module)`` binds to the module it wraps, and the call that ``module.compile()`` binds to the
     module itself. Nor does it say which attributes its forward pre-hooks rewrite (``weight_norm``'s ``weight``),
-    or cheaply whether a thread has any torch function mode active (``parallel_apply`` asks every step). BatchNorm
+    or cheaply whether a thread has any torch function mode active (``parallel_apply`` asks every step), and before
+    torch 2.8 its ``get_default_device`` misses ``with torch.device(...)`` blocks. BatchNorm
     over the whole batch needs the BatchNorm base class, which torch does not export, and whether a module was
     compiled with ``fullgraph=True``, which only its compile context says. A replica
     of a LightningModule is built without ``.to()``, so its device is set where ``.to()`` keeps it. DDP explains
@@ -112,14 +113,16 @@ def compiled_with_fullgraph(module: nn.Module) -> bool:
 
     A fullgraph compile refuses any break in its graph. Both ways of compiling keep their settings in the compile
     context, which torch does not expose: the wrapper holds it as ``dynamo_ctx``, ``module.compile()`` in the
-    closure of the call it installs.
+    closure of the call it installs. Newer torch names the setting ``fullgraph`` there; every supported torch also
+    marks the context's frame callback as making one graph (``_one_graph``).
     """
     if is_compiled_wrapper(module):
         context = getattr(module, "dynamo_ctx", None)
     else:
         compiled = compiled_call(module)
         context = None if compiled is None else _compile_context(compiled)
-    return bool(getattr(context, "fullgraph", False))
+    one_graph = getattr(getattr(context, "callback", None), "_one_graph", False)
+    return bool(getattr(context, "fullgraph", False) or one_graph)
 
 
 def names_rewritten_by_hooks(module: nn.Module, owned: Callable[[type], bool]) -> set[str]:
@@ -138,6 +141,27 @@ def names_rewritten_by_hooks(module: nn.Module, owned: Callable[[type], bool]) -
 
 
 _len_torch_function_stack: Callable[[], int] | None = getattr(torch._C, "_len_torch_function_stack", None)
+
+_TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+_GET_DEFAULT_DEVICE_SEES_CONTEXTS = _TORCH_VERSION >= (2, 8)
+
+
+def default_device() -> torch.device:
+    """The device that tensors made without one land on in this thread, as ``torch.get_default_device()`` says it.
+
+    Before torch 2.8, ``torch.get_default_device()`` reads only ``torch.set_default_device``'s setting and misses a
+    ``with torch.device(...)`` block, which is a ``DeviceContext`` on this thread's torch function mode stack; both the
+    stack and ``DeviceContext`` are private. Later torch walks the stack itself.
+    """
+    if not _GET_DEFAULT_DEVICE_SEES_CONTEXTS:
+        from torch.overrides import _get_current_function_mode_stack
+        from torch.utils._device import DeviceContext
+
+        for mode in reversed(_get_current_function_mode_stack()):
+            if isinstance(mode, DeviceContext):
+                device = mode.device
+                return device if device.index is not None else torch.empty(0).device
+    return torch.get_default_device()
 
 
 def function_mode_depth() -> int | None:

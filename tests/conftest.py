@@ -6,8 +6,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
-import torch
+# Before torch is imported: on torch 2.8 and older, importing torch._inductor where triton is installed (CUDA builds)
+# starts a pool of compile worker processes unless compiling stays in this process.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Nothing is downloaded at run time: Hugging Face libraries (transformers, and the torchmetrics metrics built on it)
 # fail at once instead of retrying a hub they cannot reach. Read when huggingface_hub is first imported.

@@ -115,6 +115,14 @@ def test_function_mode_depth_counts_active_modes() -> None:
         assert _compat.function_mode_depth() == 1
 
 
+def test_the_default_device_reads_device_blocks_on_every_supported_torch() -> None:
+    assert _compat.default_device() == torch.device("cpu")
+    with torch.device("meta"):
+        assert _compat.default_device() == torch.device("meta")
+        assert torch.empty(1).device == torch.device("meta")
+    assert _compat.default_device() == torch.device("cpu")
+
+
 def test_the_batchnorm_base_class() -> None:
     for layer in (nn.BatchNorm1d(3), nn.BatchNorm2d(3), nn.SyncBatchNorm(3), nn.LazyBatchNorm1d()):
         assert isinstance(layer, _compat.BatchNorm), type(layer).__name__
@@ -126,7 +134,8 @@ def test_compiled_with_fullgraph_reads_both_ways_of_compiling(fullgraph: bool) -
     in_place = nn.Linear(2, 2)
     in_place.compile(fullgraph=fullgraph, backend="eager")
     assert _compat.compiled_with_fullgraph(in_place) is fullgraph
-    assert _compat.compiled_with_fullgraph(torch.compile(nn.Linear(2, 2), fullgraph=fullgraph)) is fullgraph
+    wrapped = torch.compile(nn.Linear(2, 2), fullgraph=fullgraph, backend="eager")
+    assert _compat.compiled_with_fullgraph(wrapped) is fullgraph
     assert not _compat.compiled_with_fullgraph(nn.Linear(2, 2))
 
 

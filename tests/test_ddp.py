@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import signal
@@ -26,6 +27,7 @@ from processes import (
     run_ddp_script,
     single_device_parameters,
 )
+from torch.nn.parallel import DistributedDataParallel
 
 import lightning_mgpu
 from lightning_mgpu import MGPUDDPStrategy
@@ -258,12 +260,14 @@ def test_defaults_follow_the_recipe_and_raise_no_warning(recwarn: pytest.Warning
         "static_graph": False,
         "gradient_as_bucket_view": False,
     }
-    assert buffer_sync_keyword() == "forward_sync_buffers"  # torch 2.13 deprecates broadcast_buffers
+    # torch 2.13 renamed broadcast_buffers to forward_sync_buffers, deprecating the old name; older torch has only it
+    renamed = "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    assert buffer_sync_keyword() == ("forward_sync_buffers" if renamed else "broadcast_buffers")
     model = torch.nn.Linear(2, 2)
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         wrapped = torch.nn.parallel.DistributedDataParallel(model, **strategy._ddp_kwargs)
-        assert wrapped.forward_sync_buffers is False
+        assert getattr(wrapped, buffer_sync_keyword()) is False
     finally:
         torch.distributed.destroy_process_group()
     assert not [w for w in recwarn if issubclass(w.category, FutureWarning)]

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from lightning_mgpu._compat import function_mode_depth
+from lightning_mgpu._compat import default_device, function_mode_depth
 from lightning_mgpu.engine.batchnorm import RendezvousAborted
 
 ContextFactory = Callable[[], AbstractContextManager[Any]]
@@ -311,11 +311,11 @@ def _default_device() -> torch.device:
     stack (``torch.set_default_device`` and ``with torch.device(...)`` both push one), so with an empty stack it is
     the CPU; the public function finds that out by walking the stack in Python, a few microseconds per replica per
     step. The stack's length is private torch API (``lightning_mgpu._compat``), covered by tests/test_parallel_apply.py;
-    without it, the public function answers.
+    without it, ``_compat.default_device`` answers, as torch 2.8 and later answer it on every supported torch.
     """
     if function_mode_depth() == 0:
         return _CPU
-    return torch.get_default_device()
+    return default_device()
 
 
 def _autocast_is(kind: str, dtype: torch.dtype) -> bool:

@@ -120,8 +120,9 @@ def release_process_group_at_exit() -> None:
     keeps references to the default group once DDP has imported ``torch.distributed.nn``.
 
     At exit, while threads may still take the GIL, the handler destroys the default group (unless a run in this
-    process failed: that rank leaves the group to its launcher) and then sleeps ``_EXIT_GRACE_S``, the GIL released,
-    so gloo's threads finish freeing what they hold.
+    process failed: that rank leaves the group to its launcher), sleeping ``_EXIT_GRACE_S`` before and after, the GIL
+    released, so gloo's threads finish freeing what they hold: before, because torch 2.6 joins them while destroying
+    the group with the GIL held; after, for the threads that the destruction itself leaves freeing.
     """
     if not _process_exit.registered:
         atexit.register(_release_process_group)
@@ -131,6 +132,9 @@ def release_process_group_at_exit() -> None:
 def _release_process_group() -> None:
     try:
         if not _process_exit.a_run_failed and dist.is_available() and dist.is_initialized():
+            # First let gloo's threads finish freeing the work of the last collectives, which takes the GIL: torch 2.6
+            # joins those threads while destroying the group with the GIL held, and would wait for ever.
+            time.sleep(_EXIT_GRACE_S)
             dist.destroy_process_group()
     finally:
         time.sleep(_EXIT_GRACE_S)
