@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
 import torch
+from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -18,6 +20,17 @@ def _pip(*args: str) -> subprocess.CompletedProcess[str]:
     """pip in this interpreter, offline: what is installed here (and local wheels) is all it may use."""
     command = [sys.executable, "-m", "pip", *args, "--no-index", "--no-build-isolation", "--disable-pip-version-check"]
     return subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+
+
+def _by_name(lines: list[str]) -> dict[str, str]:
+    return {Requirement(line).name: str(Requirement(line).specifier) for line in lines}
+
+
+def test_the_test_extra_carries_the_build_backend_these_tests_build_with() -> None:
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    build = _by_name(pyproject["build-system"]["requires"])
+    test_base = _by_name(pyproject["project"]["optional-dependencies"]["test-base"])
+    assert {name: test_base.get(name) for name in build} == build, "building offline needs the build-system's tools"
 
 
 @pytest.mark.slow
