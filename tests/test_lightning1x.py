@@ -26,6 +26,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_mgpu import GatherError, MGPUDPStrategy
+from lightning_mgpu.engine.reduce import reduce_op_name
+from lightning_mgpu.step.replica_log import reduction
 
 
 def _fit(model: L.LightningModule, batch_size: int, **trainer_kwargs: Any) -> L.Trainer:
@@ -84,6 +86,40 @@ def test_strategy_reduce_takes_torch_reduce_ops_and_refuses_others() -> None:
     strategy = MGPUDPStrategy(parallel_devices=[torch.device("cpu")] * 2)
     assert strategy.reduce_boolean_decision(True), "Lightning's own use: a 0-dim sum"
     assert not strategy.reduce_boolean_decision(False)
+
+
+@pytest.mark.parametrize(
+    ("reduce_op", "meaning"),
+    [
+        ("mean", "mean"),
+        ("AVG", "mean"),
+        ("Sum", "sum"),
+        ("max", "max"),
+        ("MIN", "min"),
+        (torch.distributed.ReduceOp.AVG, "mean"),
+        (torch.distributed.ReduceOp.SUM, "sum"),
+        (torch.distributed.ReduceOp(torch.distributed.ReduceOp.MAX), "max"),
+        (torch.distributed.ReduceOp.MIN, "min"),
+        ("product", None),
+        (torch.distributed.ReduceOp.PRODUCT, None),
+        (0, None),
+    ],
+)
+def test_one_reading_of_reduce_ops_serves_both_strategies_and_replica_logs(reduce_op: Any, meaning: str | None) -> None:
+    assert reduce_op_name(reduce_op) == meaning
+    values = torch.tensor([1.0, 3.0])
+    expected = {"mean": 2.0, "sum": 4.0, "max": 3.0, "min": 1.0}
+    if meaning is None:
+        with pytest.raises(ValueError, match="under mgpu_dp"):
+            MGPUDPStrategy().reduce(values, reduce_op=reduce_op)
+    else:
+        assert MGPUDPStrategy().reduce(values, reduce_op=reduce_op).item() == expected[meaning]
+    if isinstance(reduce_op, str):
+        if meaning is None:
+            with pytest.raises(MisconfigurationException):
+                reduction("loss", reduce_op, 0)
+        else:
+            assert reduction("loss", reduce_op, 0) == meaning
 
 
 # --- self.log(..., reduce_fx=...) in replicas -------------------------------------------------------------------

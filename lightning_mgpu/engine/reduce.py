@@ -6,6 +6,24 @@ from collections.abc import Sequence
 
 import torch
 
+_REDUCE_OP_NAMES = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min"}
+
+
+def reduce_op_name(reduce_op: object) -> str | None:
+    """``"mean"``, ``"sum"``, ``"max"`` or ``"min"`` for a reduction named so or given as a ``ReduceOp``, else ``None``.
+
+    Names are read in any letter case, and ``"avg"`` (``ReduceOp.AVG``) is the mean, as Lightning reads them.
+    """
+    if isinstance(reduce_op, str):
+        return _REDUCE_OP_NAMES.get(reduce_op.lower())
+    if not torch.distributed.is_available():
+        return None
+    ops = torch.distributed.ReduceOp
+    if not isinstance(reduce_op, ops | ops.RedOpType):
+        return None
+    by_op = ((ops.AVG, "mean"), (ops.SUM, "sum"), (ops.MAX, "max"), (ops.MIN, "min"))
+    return next((name for op, name in by_op if reduce_op == op), None)
+
 
 def weighted_mean(values: torch.Tensor, weights: Sequence[float] | torch.Tensor) -> torch.Tensor:
     """Mean of ``values`` (one per replica, along dim 0) weighted by ``weights`` (rows per replica, or a tensor).

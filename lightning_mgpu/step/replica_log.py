@@ -19,7 +19,7 @@ import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torchmetrics import Metric
 
-from lightning_mgpu.engine.reduce import weighted_mean
+from lightning_mgpu.engine.reduce import reduce_op_name, weighted_mean
 
 
 class ReplicaLog:
@@ -63,7 +63,6 @@ _REDUCE_FUNCTIONS: tuple[tuple[Any, str], ...] = (
     (torch.min, "min"),
     (min, "min"),
 )
-_REDUCE_NAMES = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min"}
 
 
 def reduction(name: str, reduce_fx: Any, index: int) -> str:
@@ -72,8 +71,9 @@ def reduction(name: str, reduce_fx: Any, index: int) -> str:
     Raises:
         MisconfigurationException: for a ``reduce_fx`` that ``LightningModule.log`` rejects, as it would.
     """
-    if isinstance(reduce_fx, str) and reduce_fx.lower() in _REDUCE_NAMES:
-        return _REDUCE_NAMES[reduce_fx.lower()]
+    meaning = reduce_op_name(reduce_fx) if isinstance(reduce_fx, str) else None
+    if meaning is not None:
+        return meaning
     for function, meaning in _REDUCE_FUNCTIONS:
         if reduce_fx is function:
             return meaning

@@ -36,6 +36,7 @@ from lightning_mgpu._compat import (
     watch_training_data,
     with_sampler,
 )
+from lightning_mgpu.engine.reduce import reduce_op_name
 from lightning_mgpu.errors import ConfigurationError
 from lightning_mgpu.step.health import StepHealth, stop_iteration_is_an_error
 from lightning_mgpu.step.hooks import call_step_end
@@ -64,19 +65,6 @@ class _ProcessExit:
 
 
 _process_exit = _ProcessExit()
-
-
-def _is_mean(reduce_op: Any) -> bool:
-    return _op_name(reduce_op) == "mean"
-
-
-def _op_name(reduce_op: Any) -> str | None:
-    """``"mean"``, ``"sum"``, ``"max"`` or ``"min"`` for a reduction named or given as a ``ReduceOp``; else ``None``."""
-    if isinstance(reduce_op, str):
-        name = reduce_op.lower()
-        return "mean" if name in ("mean", "avg") else name if name in ("sum", "max", "min") else None
-    ops = {dist.ReduceOp.AVG: "mean", dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min"}
-    return next((name for op, name in ops.items() if reduce_op == op), None)
 
 
 def _identity(tensor: torch.Tensor, op: str) -> torch.Tensor:
@@ -312,7 +300,7 @@ class MGPUDDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
         rows = self._rows_to_weight_by()
         if rows is not None and isinstance(tensor, torch.Tensor):
             return self._reduce_over_real_rows(tensor, rows, group, reduce_op)
-        if isinstance(tensor, torch.Tensor) and not tensor.is_floating_point() and _is_mean(reduce_op):
+        if isinstance(tensor, torch.Tensor) and not tensor.is_floating_point() and reduce_op_name(reduce_op) == "mean":
             tensor = tensor.to(torch.get_default_dtype())
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
@@ -410,7 +398,7 @@ class MGPUDDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
         A mean is weighted by each rank's real rows, in one all-reduce of the weighted values and the weights
         together; to a sum, maximum or minimum a rank without real rows contributes the value that changes nothing.
         """
-        op = _op_name(reduce_op)
+        op = reduce_op_name(reduce_op)
         if op == "mean" and dist.is_available() and dist.is_initialized():
             value = tensor if tensor.is_floating_point() else tensor.to(torch.get_default_dtype())
             payload = torch.cat([value.detach().reshape(-1) * rows, value.new_tensor([rows])])

@@ -16,6 +16,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from typing_extensions import override
 
 from lightning_mgpu.engine import MGPUDataParallel
+from lightning_mgpu.engine.reduce import reduce_op_name
 from lightning_mgpu.engine.scatter import check_chunk_weight_count, check_chunk_weights
 from lightning_mgpu.errors import ConfigurationError
 from lightning_mgpu.step.health import StepHealth, stop_iteration_is_an_error
@@ -28,7 +29,6 @@ LIGHTNING_1X_NAME = "dp"
 
 _REDUCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "mean": lambda tensor: tensor.float().mean().to(tensor.dtype),  # as 1.x: in float, back to the tensor's dtype
-    "avg": lambda tensor: tensor.float().mean().to(tensor.dtype),
     "sum": torch.sum,
     "max": torch.amax,
     "min": torch.amin,
@@ -241,8 +241,8 @@ class MGPUDPStrategy(MGPUStrategyMixin, ParallelStrategy):
         Raises:
             ValueError: for a ``reduce_op`` other than mean (``"avg"``), sum, max and min.
         """
-        op = "mean" if reduce_op is None else str(getattr(reduce_op, "name", reduce_op)).lower()
-        if op not in _REDUCTIONS:
+        op = "mean" if reduce_op is None else reduce_op_name(reduce_op)
+        if op is None:
             raise ValueError(
                 f"strategy.reduce(..., reduce_op={reduce_op!r}) under mgpu_dp: use 'mean' (the default), 'sum', 'max'"
                 " or 'min'."
