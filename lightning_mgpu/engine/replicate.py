@@ -38,7 +38,6 @@ class ReplicaCache:
     def __init__(self) -> None:
         self._structure: _Structure | None = None
         self._kept_buffers: list[tuple[nn.Module, nn.Module]] = []
-        self.on_first_device = True
 
     @property
     def structure(self) -> object:
@@ -64,9 +63,9 @@ class ReplicaCache:
         differentiable copy; one parameter used by several modules is one tensor in the replica too. Buffers of the
         first replica are the original buffers, so in-place updates (BatchNorm running statistics) made there
         persist, as in ``torch.nn.DataParallel``; the other replicas get private copies, so concurrent replicas
-        never write to the same buffer. ``on_first_device`` tells afterwards whether every parameter and buffer of
-        ``module`` was on ``devices[0]``; when one was not, ``misplaced()`` is called before any replica is made, so
-        a caller that requires the module there can raise first.
+        never write to the same buffer. When a parameter or buffer of ``module`` is not on ``devices[0]``,
+        ``misplaced()`` is called before any replica is made, so a caller that requires the module there can raise
+        first.
         """
         originals = modules_of(module)
         devices = tuple(devices)
@@ -74,7 +73,7 @@ class ReplicaCache:
         if structure is None or structure.devices != devices or not _same_objects(structure.originals, originals):
             structure = self._structure = _Structure(originals, devices)
         root = devices[0]
-        self.on_first_device = on_root = all_on(originals, root)
+        on_root = all_on(originals, root)
         if not on_root and misplaced is not None:
             misplaced()
         replicas = []
@@ -144,16 +143,7 @@ class _Structure:
                     if children
                     else {}
                 )
-                parameters: dict[str, torch.Tensor | None] = {}
-                for name, param in source["_parameters"].items():
-                    if param is None:
-                        parameters[name] = None
-                        continue
-                    replica_param = aliases.get(id(param))
-                    if replica_param is None:
-                        replica_param = aliases[id(param)] = _parameter_alias(param, device)
-                    parameters[name] = replica_param
-                state["_parameters"] = parameters
+                state["_parameters"] = _replica_parameters_of(source["_parameters"], device, aliases)
                 buffers = source["_buffers"]
                 if not buffers:
                     state["_buffers"] = {}
@@ -166,7 +156,7 @@ class _Structure:
                     }
                 state["_is_replica"] = True
             else:
-                _wire(original, shell, shells, position, device, aliases, first=first, direct=False)
+                _wire(original, shell, shells, position, device, aliases, first=first)
                 buffers = source["_buffers"]
             if kept_buffers is not None and buffers:
                 kept_buffers.append((original, shell))
@@ -285,24 +275,18 @@ def _wire(
     device: torch.device,
     aliases: dict[int, torch.Tensor],
     first: bool,
-    direct: bool,
 ) -> None:
+    """Point a fresh shell's children, parameters and buffers at replica ``shells`` and tensors on ``device``."""
     for name, child in original._modules.items():
         shell._modules[name] = None if child is None else shells[position[id(child)]]
-    parameters: dict[str, torch.Tensor | None] = shell._parameters  # type: ignore[assignment]
-    for name, param in original._parameters.items():
-        if param is None:
-            parameters[name] = None
-            continue
-        alias = aliases.get(id(param))
-        if alias is None:
-            alias = aliases[id(param)] = _parameter_alias(param, device)
-        if not direct:
+    parameters = _replica_parameters_of(original._parameters, device, aliases)
+    for name, alias in parameters.items():
+        if alias is not None:
             # A class with its own __setattr__ may keep caches of its weights (RNNs' flat weights): setting the
             # attribute keeps them in step, as torch's replicate does, before the alias moves to ``_parameters``.
             setattr(shell, name, alias)
             shell.__dict__.pop(name, None)
-        parameters[name] = alias
+    shell._parameters.update(parameters)  # type: ignore[arg-type]
     for name, buffer in original._buffers.items():
         shell._buffers[name] = None if buffer is None else _buffer_copy(buffer, device, first)
 
@@ -324,6 +308,22 @@ def _bind_compiled(original: nn.Module, shell: nn.Module) -> None:
             stacklevel=4,
         )
     shell.__dict__["_compiled_call_impl"] = rebound
+
+
+def _replica_parameters_of(
+    own: dict[str, Any], device: torch.device, aliases: dict[int, torch.Tensor]
+) -> dict[str, torch.Tensor | None]:
+    """A module's ``_parameters`` for a replica on ``device``: one alias per distinct parameter, kept in ``aliases``."""
+    parameters: dict[str, torch.Tensor | None] = {}
+    for name, param in own.items():
+        if param is None:
+            parameters[name] = None
+            continue
+        alias = aliases.get(id(param))
+        if alias is None:
+            alias = aliases[id(param)] = _parameter_alias(param, device)
+        parameters[name] = alias
+    return parameters
 
 
 def _aliases_of(originals: list[nn.Module]) -> dict[int, torch.Tensor]:

@@ -286,13 +286,13 @@ class MGPUDPStrategy(MGPUStrategyMixin, ParallelStrategy):
     ) -> Any:
         module = self.lightning_module
         wrapper = self.model
-        if module is None or wrapper is None:
+        split = self.num_replicas > 1
+        if module is None or wrapper is None or (split and not isinstance(wrapper, MGPUDataParallel)):
             raise ConfigurationError(f"{step} was called before the mgpu_dp strategy was set up by a Trainer.")
-        if self.num_replicas == 1:  # nothing to split
+        if not split:  # nothing to split
             with stop_iteration_is_an_error(step):
                 return self._module_step(module, step, precision_context, args, kwargs)
-        if not isinstance(wrapper, MGPUDataParallel):
-            raise ConfigurationError(f"{step} was called before the mgpu_dp strategy was set up by a Trainer.")
+        assert isinstance(wrapper, MGPUDataParallel)
         if step == "training_step" and not self.sync_batchnorm and self._health.wants("batchnorm"):
             self._health.check_batchnorm(
                 module,
