@@ -20,11 +20,13 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from models import Regressor
 from torch import nn
 
 from lightning_mgpu import BatchSplitError, Fields, GatherError, MGPUDataParallel
-from lightning_mgpu.engine import ParallelApply, gather, replicate, scatter
+from lightning_mgpu.engine import ParallelApply, Scattered, gather, replicate, scatter
 from lightning_mgpu.errors import ConfigurationError
+from lightning_mgpu.step.replicas import run_replica_step
 
 CPU = torch.device("cpu")
 CPU2 = [CPU] * 2
@@ -747,6 +749,74 @@ def test_replicas_can_be_saved(grad: bool) -> None:
     buffer = io.BytesIO()
     torch.save(replicas, buffer)
     assert buffer.tell() > 0
+
+
+class _Traced(MGPUDataParallel):
+    """Overrides each of the four phases, as a subclass of torch.nn.DataParallel may, and records what they saw."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.seen: list[tuple[Any, ...]] = []
+
+    def scatter(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Scattered:
+        scattered = super().scatter(inputs, kwargs)
+        self.seen.append(("scatter", scattered.sizes))
+        return scattered
+
+    def scatter_batch(self, batch: Any, args: Any = (), kwargs: dict[str, Any] | None = None) -> Scattered:
+        scattered = super().scatter_batch(batch, args, kwargs)
+        self.seen.append(("scatter_batch", scattered.sizes))
+        return scattered
+
+    def replicate(self, module: nn.Module, devices: Any) -> list[nn.Module]:
+        replicas = super().replicate(module, devices)
+        self.seen.append(("replicate", len(replicas)))
+        return replicas
+
+    def parallel_apply(self, replicas: Any, calls: Any, devices: Any, method: Any = None, context: Any = None) -> Any:
+        outputs = super().parallel_apply(replicas, calls, devices, method, context)
+        self.seen.append(("parallel_apply", method))
+        return [output * 2 for output in outputs] if method is None else outputs
+
+    def gather(self, outputs: Any, sizes: Any = None, method: str = "forward") -> Any:
+        self.seen.append(("gather", method))
+        return super().gather(outputs, sizes, method)
+
+
+@replica_counts
+def test_forward_is_scatter_replicate_parallel_apply_gather_each_overridable(replicas: int) -> None:
+    module = _linear(torch.float64)
+    wrapper = _Traced(module, [CPU] * replicas)
+    try:
+        x = torch.randn(7, 10, dtype=torch.float64)
+        torch.testing.assert_close(wrapper(x), 2 * module(x), **EXACT)
+    finally:
+        wrapper.close()
+    sizes = [3, 2, 2] if replicas == 3 else [4, 3]
+    assert wrapper.seen == [
+        ("scatter", sizes),
+        ("replicate", replicas),
+        ("parallel_apply", None),
+        ("gather", "forward"),
+    ]
+
+
+@pytest.mark.filterwarnings("ignore:You are trying to `self.log\\(\\)` but the `self.trainer`")
+def test_a_lightning_step_runs_through_the_same_overridable_phases() -> None:
+    module = Regressor().double()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 1, dtype=torch.float64)
+    wrapper = _Traced(module, CPU2)
+    try:
+        loss = run_replica_step(wrapper, module, "validation_step", ([x, y], 0), {})
+    finally:
+        wrapper.close()
+    torch.testing.assert_close(loss, F.mse_loss(module(x), y), **EXACT)
+    assert wrapper.seen == [
+        ("scatter_batch", [3, 2]),
+        ("replicate", 2),
+        ("parallel_apply", "validation_step"),
+        ("gather", "validation_step"),
+    ]
 
 
 # --- against torch.nn.DataParallel on real GPUs ---------------------------------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from itertools import chain
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -22,9 +22,17 @@ from lightning_mgpu.engine.scatter import (
 )
 from lightning_mgpu.errors import ConfigurationError
 
-PrepareReplica = Callable[[nn.Module, int, int, torch.device, int], None]
 DeviceLike = torch.device | str | int
-_Call = tuple[tuple[Any, ...], dict[str, Any]]
+Call = tuple[tuple[Any, ...], dict[str, Any]]
+"""The positional and keyword arguments one replica is called with."""
+
+
+class Scattered(NamedTuple):
+    """One call split across devices: each replica's arguments, the batch rows it received, and its device."""
+
+    calls: list[Call]
+    sizes: list[int]
+    devices: list[torch.device]
 
 
 class ReplicaOutputs:
@@ -140,12 +148,68 @@ class MGPUDataParallel(nn.Module):
         """
         if len(self.devices) == 1:
             return self._forward_on_root(inputs, kwargs)
+        scattered = self.scatter(inputs, kwargs)
+        replicas = self.replicate(self._modules["module"], scattered.devices)  # type: ignore[arg-type]
+        outputs = self.parallel_apply(replicas, scattered.calls, scattered.devices)
+        return self.gather(outputs, scattered.sizes if inputs or kwargs else None, "forward")
+
+    def scatter(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Scattered:
+        """Split ``forward``'s positional and keyword inputs as one batch (see ``lightning_mgpu.engine.scatter``).
+
+        A call without inputs runs once, on the root device, as in ``torch.nn.DataParallel``.
+        """
         if not inputs and not kwargs:
-            alone = self._run_replicas(None, [((), {})], [0], check_device=True)
-            return self.gather(alone.outputs, None, "forward")
-        calls, sizes, devices = scatter_inputs(inputs, kwargs, self.devices, self._chunk_weights)
-        replica_outputs = self._run_replicas(None, calls, sizes, check_device=True, devices=devices)
-        return self.gather(replica_outputs.outputs, replica_outputs.sizes, "forward")
+            return Scattered([((), {})], [0], self.devices[:1])
+        return Scattered(*scatter_inputs(inputs, kwargs, self.devices, self._chunk_weights))
+
+    def scatter_batch(self, batch: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> Scattered:
+        """Split ``batch`` alone, for a method called as ``method(chunk, *args, **kwargs)`` on every replica.
+
+        Only the batch is split, by its own shapes alone, whatever earlier batches held; ``args`` and ``kwargs``
+        reach every replica whole.
+        """
+        chunks, sizes, devices = scatter_to_devices(batch, self.devices, self._chunk_weights)
+        shared = kwargs or {}
+        return Scattered([((chunk, *args), shared) for chunk in chunks], sizes, devices)
+
+    def replicate(self, module: nn.Module, devices: Sequence[torch.device]) -> list[nn.Module]:
+        """One replica of ``module`` per device (see ``lightning_mgpu.engine.replicate``), kept between calls.
+
+        Replica 0 works on the module's own tensors, so the module must be on the root device, as torch requires;
+        replicating looks at every tensor's device anyway, and raises a ``ConfigurationError`` when one is not.
+        """
+        return self._replicate(module, devices, self._check_module_device)
+
+    def parallel_apply(
+        self,
+        replicas: Sequence[nn.Module],
+        calls: Sequence[Call],
+        devices: Sequence[torch.device],
+        method: str | None = None,
+        context: ContextFactory | None = None,
+    ) -> list[Any]:
+        """Make call ``i`` on replica ``i`` in its own thread, on device ``i``, and return the outputs in order.
+
+        ``method=None`` calls the replica itself, so its forward hooks run once per replica, as in
+        ``torch.nn.DataParallel``; otherwise ``replica.<method>`` is called. ``context`` is entered in each replica
+        thread around the call, as ``context()``. BatchNorm layers exchange their batch statistics here (see
+        ``sync_batchnorm``), and buffers that replica 0 reassigned are stored on the module afterwards, as its
+        in-place updates are.
+        """
+        replicas = list(replicas)
+        devices = list(devices)
+        exchange = self._batch_statistics_exchange(method, replicas)
+        bound = [
+            _bind(replica if method is None else getattr(replica, method), args, kwargs, exchange, index, replica)
+            for index, (replica, (args, kwargs)) in enumerate(zip(replicas, calls, strict=True))
+        ]
+        outputs = self._apply_in_threads(bound, devices, context)
+        if exchange is not None:
+            self._batch_statistics.record(method, exchange)
+        self._replicate.keep_reassigned_buffers()
+        if devices[0] != self.root_device:
+            self._return_buffers_to_root()
+        return outputs
 
     def _forward_on_root(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         module = self._modules["module"]
@@ -160,8 +224,8 @@ class MGPUDataParallel(nn.Module):
         """Gather one output per replica on ``output_device`` (see ``lightning_mgpu.engine.gather``).
 
         Args:
-            outputs: one output per replica, in batch order, as ``run`` returned them.
-            sizes: the rows each replica received (``ReplicaOutputs.sizes``), so that lists with one item per row
+            outputs: one output per replica, in batch order, as ``parallel_apply`` returned them.
+            sizes: the rows each replica received (``Scattered.sizes``), so that lists with one item per row
                 are concatenated; without them only ``PerSample`` lists are.
             method: the method that returned ``outputs``; each method's outputs keep their own memory of how their
                 lists were gathered in earlier steps.
@@ -175,63 +239,16 @@ class MGPUDataParallel(nn.Module):
         args: Sequence[Any] = (),
         kwargs: dict[str, Any] | None = None,
         context: ContextFactory | None = None,
-        prepare_replica: PrepareReplica | None = None,
     ) -> ReplicaOutputs:
-        """Call ``replica.<method>(chunk, *args, **kwargs)`` on every replica in parallel.
+        """Call ``replica.<method>(chunk, *args, **kwargs)`` on every replica in parallel: the four phases in one.
 
-        Args:
-            method: the name of the module method to call (``"forward"``, ``"training_step"``, ...).
-            batch: split along dim 0, one chunk per replica; only it is split, ``args`` and ``kwargs`` reach every
-                replica whole.
-            args: further positional arguments, given to every replica.
-            kwargs: keyword arguments, given to every replica.
-            context: entered in each replica thread around the call, as ``context()``.
-            prepare_replica: called as ``prepare_replica(replica, index, num_replicas, device, rows)`` before the
-                call, in the calling thread; ``rows`` is the size of the replica's chunk.
-
-        Buffers that replica 0 reassigned are stored on the module afterwards, as its in-place updates are. The
-        batch is split by its own shapes alone, whatever earlier batches held (see ``lightning_mgpu.engine.scatter``).
+        ``scatter_batch`` splits ``batch`` alone, ``replicate`` and ``parallel_apply`` run the method (``context``
+        entered in each replica thread), and the outputs come back ungathered, with the rows each replica received.
         """
-        chunks, sizes, devices = scatter_to_devices(batch, self.devices, self._chunk_weights)
-        shared = kwargs or {}
-        calls = [((chunk, *args), shared) for chunk in chunks]
-        return self._run_replicas(method, calls, sizes, context, prepare_replica, devices=devices)
-
-    def _run_replicas(
-        self,
-        method: str | None,
-        calls: list[_Call],
-        sizes: list[int],
-        context: ContextFactory | None = None,
-        prepare_replica: PrepareReplica | None = None,
-        check_device: bool = False,
-        devices: list[torch.device] | None = None,
-    ) -> ReplicaOutputs:
-        """Replicate onto ``devices`` (by default the first ``len(calls)``) and make call ``i`` on replica ``i``.
-
-        ``method=None`` calls the replica itself, so its forward hooks run once per replica, as in
-        ``torch.nn.DataParallel``. ``check_device``: raise, as ``torch.nn.DataParallel`` does, when the module is
-        not on the root device (replicating looks at every tensor's device anyway).
-        """
-        if devices is None:
-            devices = self.devices[: len(calls)]
-        misplaced = self._check_module_device if check_device else None
-        replicas = self._replicate(self._modules["module"], devices, misplaced)  # type: ignore[arg-type]
-        if prepare_replica is not None:
-            for index, (replica, device, rows) in enumerate(zip(replicas, devices, sizes, strict=True)):
-                prepare_replica(replica, index, len(replicas), device, rows)
-        exchange = self._batch_statistics_exchange(method, replicas)
-        bound = [
-            _bind(replica if method is None else getattr(replica, method), args, kwargs, exchange, index, replica)
-            for index, (replica, (args, kwargs)) in enumerate(zip(replicas, calls, strict=True))
-        ]
-        outputs = self._apply_in_threads(bound, devices, context)
-        if exchange is not None:
-            self._batch_statistics.record(method, exchange)
-        self._replicate.keep_reassigned_buffers()
-        if devices[0] != self.root_device:
-            self._return_buffers_to_root()
-        return ReplicaOutputs(outputs, sizes, replicas)
+        scattered = self.scatter_batch(batch, args, kwargs)
+        replicas = self.replicate(self._modules["module"], scattered.devices)  # type: ignore[arg-type]
+        outputs = self.parallel_apply(replicas, scattered.calls, scattered.devices, method, context)
+        return ReplicaOutputs(outputs, scattered.sizes, replicas)
 
     def _return_buffers_to_root(self) -> None:
         """Move back to the root device the buffers that replica 0 kept while it ran elsewhere.

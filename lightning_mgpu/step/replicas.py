@@ -15,7 +15,7 @@ from torch import nn
 
 from lightning_mgpu._compat import set_lightning_device
 from lightning_mgpu.checks import kept_by_library
-from lightning_mgpu.engine import MGPUDataParallel, ReplicaOutputs, weighted_mean
+from lightning_mgpu.engine import MGPUDataParallel, weighted_mean
 from lightning_mgpu.engine.replicate import assigned_attributes, modules_of
 from lightning_mgpu.errors import ConfigurationError
 from lightning_mgpu.step.health import StepHealth
@@ -46,26 +46,27 @@ def run_replica_step(
             f"{step} takes a dataloader iterator, which mgpu_dp cannot split across replicas. Define"
             f" {step}(self, batch, batch_idx) instead, or use strategy='mgpu_ddp'."
         )
-    logs: list[ReplicaLog] = []
-
-    def prepare(replica: nn.Module, index: int, num_replicas: int, device: torch.device, rows: int) -> None:
-        logs.append(prepare_replica(replica, index, num_replicas, device, rows))
-
-    replica_outputs = wrapper.run(step, args[0], args[1:], kwargs, context=context, prepare_replica=prepare)
+    scattered = wrapper.scatter_batch(args[0], args[1:], kwargs)
+    replicas = wrapper.replicate(wrapper.module, scattered.devices)
+    logs = [
+        prepare_replica(replica, index, len(replicas), device, rows)
+        for index, (replica, device, rows) in enumerate(zip(replicas, scattered.devices, scattered.sizes, strict=True))
+    ]
+    outputs = wrapper.parallel_apply(replicas, scattered.calls, scattered.devices, step, context)
     replay(logs, module, wrapper.root_device)
     if health is not None and health.wants(f"attributes in {step}"):
-        assigned = assigned_attributes(module, replica_outputs.replicas[0], _SET_BY_PREPARE, kept_by_library)
+        assigned = assigned_attributes(module, replicas[0], _SET_BY_PREPARE, kept_by_library)
         health.check_assigned(assigned, step)
-    gathered = wrapper.gather(replica_outputs.outputs, replica_outputs.sizes, step)
+    gathered = wrapper.gather(outputs, scattered.sizes, step)
     if has_step_end(module, step):
         result = call_step_end(module, step, gathered)
     elif step == "predict_step":
         return gathered
     else:
-        result = _reduce_loss(replica_outputs, gathered)
+        result = _reduce_loss(outputs, scattered.sizes, gathered)
     if health is not None and step == "training_step":
-        health.check_rows(sum(replica_outputs.sizes), len(wrapper.devices))
-        losses = [find_loss(output)[1] for output in replica_outputs.outputs]
+        health.check_rows(sum(scattered.sizes), len(wrapper.devices))
+        losses = [find_loss(output)[1] for output in outputs]
         health.check_loss(result, lambda: f"at step {module.global_step}", losses)
     return result
 
@@ -94,7 +95,7 @@ def mark_outside_replicas(module: nn.Module) -> Callable[[], None]:
     return restore
 
 
-_SET_BY_PREPARE = frozenset({"replica_index", "num_replicas", "manual_backward", "log", "forward"})
+_SET_BY_PREPARE = frozenset({"replica_index", "num_replicas", "manual_backward", "log"})
 
 
 def prepare_replica(replica: nn.Module, index: int, num_replicas: int, device: torch.device, rows: int) -> ReplicaLog:
@@ -117,14 +118,12 @@ def _refuse_manual_backward(*args: Any, **kwargs: Any) -> None:
     )
 
 
-def _reduce_loss(replica_outputs: ReplicaOutputs, gathered: Any) -> Any:
+def _reduce_loss(outputs: list[Any], sizes: list[int], gathered: Any) -> Any:
     """Without a ``*_step_end`` hook, combine per-replica scalar losses into the single-device loss.
 
     Each replica's loss is weighted by its rows, or by the ``"loss_weight"`` it returned next to ``"loss"`` (the
     count its loss is a mean over: tokens, unmasked positions), which makes the combination exact for such means.
     """
-    outputs = replica_outputs.outputs
-    sizes = replica_outputs.sizes
     if all(isinstance(output, torch.Tensor) and output.dim() == 0 for output in outputs):
         return weighted_mean(gathered, sizes)
     if all(isinstance(output, dict) and _is_scalar(output.get("loss")) for output in outputs):
