@@ -28,7 +28,6 @@ on ``sys.path``)::
 
 from __future__ import annotations
 
-import csv
 import math
 import os
 import sys
@@ -44,10 +43,14 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.utils.data import DataLoader
 
-import lightning_mgpu
 from lightning_mgpu import MGPUMixin  # importing lightning_mgpu registers mgpu_dp and mgpu_ddp
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script or loaded from its file: the examples package must import
+    sys.path.insert(0, str(ROOT))
+
+from examples.common import gather_to_rank_zero, run_example, write_csv  # noqa: E402
+
 DEFAULT_ARGS = ("fit", "--config", str(ROOT / "configs" / "quickstart.yaml"))
 LIKELIHOOD_BOUND = 1e-9
 
@@ -333,49 +336,13 @@ class DensityPredictions(BasePredictionWriter):
         )
 
 
-def gather_to_rank_zero(trainer: L.Trainer, rows: dict[int, list[float]]) -> dict[int, list[float]]:
-    """Every process's rows, by dataset index, on global rank 0 (the others get theirs back); a collective under DDP.
-
-    Rows of the same index (a sampler that repeats samples to even out the processes) are kept once.
-    """
-    if trainer.world_size == 1 or not torch.distributed.is_initialized():
-        return rows
-    gathered: list[Any] | None = [None] * trainer.world_size if trainer.is_global_zero else None
-    torch.distributed.gather_object(rows, gathered, dst=0)
-    if gathered is None:
-        return rows
-    return {index: row for rank_rows in gathered for index, row in rank_rows.items()}
-
-
-def write_csv(path: str, header: Sequence[str], rows: dict[int, list[float]]) -> str:
-    """Write ``header`` and one line per index, in index order, as ``index, *row``; return ``path``."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w", newline="") as file:
-        writer = csv.writer(file)
-        writer.writerow(header)
-        writer.writerows([index, *rows[index]] for index in sorted(rows))
-    return path
-
-
 def main(args: Sequence[str] | None = None) -> int:
     """``python examples/density.py [fit|validate|test|predict] [LightningCLI options]``; ``args`` replace argv.
 
-    No arguments run ``fit --config configs/quickstart.yaml``. The model and data are given by class path before the
-    other arguments, so a config's own ``class_path`` still wins.
+    No arguments run ``fit --config configs/quickstart.yaml``.
     """
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))  # so examples.density resolves whatever the current directory
-    from lightning_mgpu.cli.lightning_cli import run_with_classes
-
-    if args is None:
-        lightning_mgpu.parse_local_rank()  # torch.distributed.launch passes --local-rank=N before the arguments
-    argv = sys.argv[1:] if args is None else args
-    return run_with_classes(
-        "examples.density.DensityModel",
-        "examples.density.GaussianMixtureData",
-        argv,
-        DEFAULT_ARGS,
-        f"python examples/{Path(__file__).name}",
+    return run_example(
+        __file__, "examples.density.DensityModel", "examples.density.GaussianMixtureData", args, DEFAULT_ARGS
     )
 
 
