@@ -9,11 +9,8 @@ from typing import Any
 import torch
 
 from lightning_mgpu.engine.scatter import (
-    FIT_CONFLICT,
-    FIT_FREE,
-    FIT_MARKED,
-    FIT_ROWS,
     Fields,
+    Fit,
     PerSample,
     combine_fits,
     field_values,
@@ -183,9 +180,9 @@ def _one_item_per_row(outputs: Sequence[Any], sizes: list[int], memory: LayoutMe
         per_row = True  # item by item needs the same length in every replica
     else:
         fits = {_fit(item, size) for output, size in zip(outputs, sizes, strict=True) for item in output}
-        if FIT_MARKED in fits:
+        if Fit.MARKED in fits:
             per_row = False
-        elif FIT_CONFLICT in fits or FIT_ROWS not in fits:
+        elif Fit.CONFLICT in fits or Fit.ROWS not in fits:
             per_row = True  # items that cannot be gathered one by one, or values such as ids: one per row
         else:
             # Tensors with the chunk's rows (``logits, features`` or an LSTM's ``out, (h, c)``) are gathered item by
@@ -196,24 +193,24 @@ def _one_item_per_row(outputs: Sequence[Any], sizes: list[int], memory: LayoutMe
     return per_row
 
 
-def _fit(obj: Any, rows: int) -> str:
+def _fit(obj: Any, rows: int) -> Fit:
     """How ``obj`` would merge as an item of a list gathered item by item, in a replica with ``rows`` rows."""
     if isinstance(obj, torch.Tensor):
-        return FIT_ROWS if obj.dim() == 0 or obj.shape[0] == rows else FIT_CONFLICT
+        return Fit.ROWS if obj.dim() == 0 or obj.shape[0] == rows else Fit.CONFLICT
     if obj is None or _category(obj) == "number":
-        return FIT_FREE
+        return Fit.FREE
     if isinstance(obj, (PerSample, Fields)):
-        return FIT_MARKED
+        return Fit.MARKED
     if isinstance(obj, Mapping):
         return combine_fits(_fit(value, rows) for value in obj.values())
     if is_dataclass_instance(obj):
         return combine_fits(_fit(value, rows) for _, value in field_values(obj))
     if isinstance(obj, (list, tuple)):
         fits = [_fit(value, rows) for value in obj]
-        if len(obj) == rows and not is_namedtuple(obj) and FIT_MARKED not in fits:
-            return FIT_ROWS if _holds_tensor(obj) else FIT_FREE  # it merges either way, as rows or as items
+        if len(obj) == rows and not is_namedtuple(obj) and Fit.MARKED not in fits:
+            return Fit.ROWS if _holds_tensor(obj) else Fit.FREE  # it merges either way, as rows or as items
         return combine_fits(fits)
-    return FIT_CONFLICT
+    return Fit.CONFLICT
 
 
 def _holds_tensor(obj: Any) -> bool:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
 import math
 import numbers
 from collections.abc import Iterable, Mapping, Sequence
@@ -357,17 +358,40 @@ def rebuild_sequence(original: list | tuple, items: list[Any]) -> list | tuple:
 _UNSET = object()
 _ATOMS = (str, bytes, int, float)
 
-# How a value would read as batch data with N rows: it carries rows, holds no tensor, cannot be split by rows, or
-# holds a PerSample or Fields marker, which only batch data can (so the list around it is a container).
-FIT_ROWS, FIT_FREE, FIT_CONFLICT, FIT_MARKED = "rows", "free", "conflict", "marked"
-"""How a value could be read when a list holding it is split or gathered by items (shared with ``gather``)."""
 
-# Plans: how `_take` cuts a value for one replica, decided once per batch.
-_SPLIT, _WHOLE, _ITEMS, _MAPPING, _DATACLASS, _NAMEDTUPLE, _SEQUENCE = range(7)
-Plan = tuple[int, Any]
-_SPLIT_PLAN: Plan = (_SPLIT, None)
-_WHOLE_PLAN: Plan = (_WHOLE, None)
-_ITEMS_PLAN: Plan = (_ITEMS, None)
+class Fit(enum.StrEnum):
+    """How a value could be read when a list holding it is split or gathered by items (shared with ``gather``)."""
+
+    ROWS = "rows"
+    """It carries the rows: split or concatenated along them."""
+    FREE = "free"
+    """It holds no tensor (names, ids, numbers, None), so it reads either way."""
+    CONFLICT = "conflict"
+    """It cannot be read by the rows (a tensor of other rows): the list around it holds one item per sample."""
+    MARKED = "marked"
+    """It is or holds a ``PerSample`` or ``Fields``, which only batch data can: the list around it is a container."""
+
+
+class Cut(enum.Enum):
+    """How ``_take`` cuts a value for one replica, decided once per batch by ``_Planner``."""
+
+    SPLIT = enum.auto()
+    """A tensor, narrowed to the replica's rows."""
+    WHOLE = enum.auto()
+    """Any other value, given whole to every replica."""
+    ITEMS = enum.auto()
+    """A per-sample sequence, sliced to the replica's items."""
+    MAPPING = enum.auto()
+    DATACLASS = enum.auto()
+    NAMEDTUPLE = enum.auto()
+    SEQUENCE = enum.auto()
+    """Containers, rebuilt with their type from their values' cuts."""
+
+
+Plan = tuple[Cut, Any]
+_SPLIT_PLAN: Plan = (Cut.SPLIT, None)
+_WHOLE_PLAN: Plan = (Cut.WHOLE, None)
+_ITEMS_PLAN: Plan = (Cut.ITEMS, None)
 
 
 def _row_count(batch: Any) -> tuple[int, list[tuple[str, int, bool]]]:
@@ -459,15 +483,15 @@ class _Planner:
                 self.conflicts.append(f"{path}: {len(obj)} items")
             return _ITEMS_PLAN
         if isinstance(obj, Mapping):
-            return (_MAPPING, [self.plan(value, f"{path}[{key!r}]") for key, value in obj.items()])
+            return (Cut.MAPPING, [self.plan(value, f"{path}[{key!r}]") for key, value in obj.items()])
         if is_dataclass_instance(obj):
-            return (_DATACLASS, [(name, self.plan(value, f"{path}.{name}")) for name, value in field_values(obj)])
+            return (Cut.DATACLASS, [(name, self.plan(value, f"{path}.{name}")) for name, value in field_values(obj)])
         if isinstance(obj, (list, tuple)):
             namedtuple = is_namedtuple(obj)
             if not namedtuple and not isinstance(obj, Fields) and self._per_sample(obj):
                 return _ITEMS_PLAN
             children = [self.plan(value, f"{path}[{index}]") for index, value in enumerate(obj)]
-            return (_NAMEDTUPLE if namedtuple else _SEQUENCE, children)
+            return (Cut.NAMEDTUPLE if namedtuple else Cut.SEQUENCE, children)
         return _WHOLE_PLAN
 
     def _per_sample(self, obj: list | tuple) -> bool:
@@ -481,59 +505,59 @@ class _Planner:
         if len(obj) != self.rows:
             return False
         fits = {_fit(item, self.rows) for item in obj}
-        return FIT_MARKED not in fits and (FIT_CONFLICT in fits or FIT_ROWS not in fits)
+        return Fit.MARKED not in fits and (Fit.CONFLICT in fits or Fit.ROWS not in fits)
 
 
-def _fit(obj: Any, rows: int) -> str:
+def _fit(obj: Any, rows: int) -> Fit:
     """How ``obj`` would read as batch data with ``rows`` rows, without planning it (a per-sample item is whole)."""
     if isinstance(obj, torch.Tensor):
-        return FIT_ROWS if obj.dim() > 0 and obj.shape[0] == rows else FIT_CONFLICT
+        return Fit.ROWS if obj.dim() > 0 and obj.shape[0] == rows else Fit.CONFLICT
     if isinstance(obj, (PerSample, Fields)):
-        return FIT_MARKED
+        return Fit.MARKED
     if isinstance(obj, Mapping):
         return combine_fits(_fit(value, rows) for value in obj.values())
     if is_dataclass_instance(obj):
         return combine_fits(_fit(value, rows) for _, value in field_values(obj))
     if isinstance(obj, (list, tuple)):
         fits = [_fit(value, rows) for value in obj]
-        if len(obj) == rows and not is_namedtuple(obj) and FIT_MARKED not in fits:
-            return FIT_FREE if all(fit == FIT_FREE for fit in fits) else FIT_ROWS  # it carries the rows either way
+        if len(obj) == rows and not is_namedtuple(obj) and Fit.MARKED not in fits:
+            return Fit.FREE if all(fit is Fit.FREE for fit in fits) else Fit.ROWS  # it carries the rows either way
         return combine_fits(fits)
-    return FIT_FREE
+    return Fit.FREE
 
 
-def combine_fits(fits: Iterable[str]) -> str:
+def combine_fits(fits: Iterable[Fit]) -> Fit:
     """How a container of items with these fits merges: a marker decides, a conflict beats rows, rows beat free."""
-    result = FIT_FREE
+    result = Fit.FREE
     for fit in fits:
-        if fit == FIT_MARKED:
-            return FIT_MARKED
-        if fit == FIT_CONFLICT:
-            result = FIT_CONFLICT
-        elif fit == FIT_ROWS and result == FIT_FREE:
-            result = FIT_ROWS
+        if fit is Fit.MARKED:
+            return Fit.MARKED
+        if fit is Fit.CONFLICT:
+            result = Fit.CONFLICT
+        elif fit is Fit.ROWS and result is Fit.FREE:
+            result = Fit.ROWS
     return result
 
 
 def _take(obj: Any, plan: Plan, start: int, size: int, device: torch.device) -> Any:
     kind, children = plan
-    if kind == _SPLIT:
+    if kind is Cut.SPLIT:
         return obj.narrow(0, start, size).to(device, non_blocking=True)
-    if kind == _WHOLE:
+    if kind is Cut.WHOLE:
         return obj
-    if kind == _ITEMS:
+    if kind is Cut.ITEMS:
         return rebuild_sequence(obj, [move_to(item, device) for item in obj[start : start + size]])
-    if kind == _MAPPING:
+    if kind is Cut.MAPPING:
         items = [
             (key, _take(value, child, start, size, device))
             for (key, value), child in zip(obj.items(), children, strict=True)
         ]
         return rebuild_mapping(obj, items)
-    if kind == _DATACLASS:
+    if kind is Cut.DATACLASS:
         values = [(name, _take(getattr(obj, name), child, start, size, device)) for name, child in children]
         return rebuild_dataclass(obj, values)
     values = [_take(value, child, start, size, device) for value, child in zip(obj, children, strict=True)]
-    return type(obj)(*values) if kind == _NAMEDTUPLE else rebuild_sequence(obj, values)
+    return type(obj)(*values) if kind is Cut.NAMEDTUPLE else rebuild_sequence(obj, values)
 
 
 def _starts(sizes: list[int]) -> list[int]:
