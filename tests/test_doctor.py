@@ -202,6 +202,13 @@ def test_string_in_the_output_is_not_gatherable() -> None:
     assert report.comparisons == []
 
 
+def test_a_batch_that_cannot_be_split_is_named_where_it_fails() -> None:
+    model = CenteredNet()
+    report = diagnose(model, {"x": torch.randn(4, 3), "y": torch.randn(3, 1)})
+    assert found(report) == {("error", "not-splittable", "batch['y']")}
+    assert "batch['y']: 3" in report.findings[0].message
+
+
 @pytest.mark.parametrize("name", ["ParametersInStepNet", "EncoderPenaltyNet"])
 def test_weight_penalty_inside_the_step_is_exact(name: str) -> None:
     # A penalty over self.parameters() or a submodule's parameters() sees the replica's own, so nothing differs.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import warnings
 from collections import namedtuple
 from dataclasses import dataclass, field
@@ -249,3 +250,26 @@ def test_dataclasses_of_different_types_are_refused() -> None:
 
     with pytest.raises(GatherError, match=r"output is a dataclass A in replica 0 but a dataclass B in replica 1"):
         gather([A(torch.ones(1)), B(torch.ones(1))], CPU)
+
+
+@pytest.mark.parametrize(
+    ("outputs", "path", "replica"),
+    [
+        (({"a": torch.ones(1)}, {"b": torch.ones(1)}), "output", 1),
+        (({"x": torch.ones(2, 3)}, {"x": torch.ones(2, 4)}), "output['x']", None),
+        (({"x": torch.ones(2)}, {"x": object()}), "output['x']", 1),
+        (([torch.ones(2)], {"x": torch.ones(2)}), "output", 1),
+        ((torch.ones(()), torch.ones(2)), "output", None),
+    ],
+    ids=["keys", "shapes", "an object", "list against dict", "0-dim against rows"],
+)
+def test_a_gather_error_carries_the_path_and_the_replica(outputs: tuple, path: str, replica: int | None) -> None:
+    with pytest.raises(GatherError) as caught:
+        gather(outputs, CPU, [2, 2])
+    assert (caught.value.path, caught.value.replica) == (path, replica)
+    assert str(caught.value).startswith(path)
+
+
+def test_a_gather_error_keeps_its_facts_when_pickled() -> None:
+    error = pickle.loads(pickle.dumps(GatherError("output['x'] differs", "output['x']", 1)))
+    assert (str(error), error.path, error.replica) == ("output['x'] differs", "output['x']", 1)

@@ -352,3 +352,21 @@ def test_anything_but_plain_tensors_with_equal_rows_takes_the_general_path(input
     from lightning_mgpu.engine.scatter import split_plain_tensors
 
     assert split_plain_tensors(inputs, CPU2) is None
+
+
+@pytest.mark.parametrize(
+    ("batch", "path"),
+    [
+        ({"x": torch.ones(4, 2), "y": torch.ones(3, 1)}, "batch['y']"),
+        ({"x": torch.ones(4, 2), "t": torch.tensor(1.0)}, "batch['t']"),
+        ([torch.ones(4, 2), [torch.ones(4), torch.ones(5)]], "batch[1][1]"),
+        ({"x": torch.ones(4, 2), "ids": PerSample([1, 2, 3])}, "batch['ids']"),
+        ("no tensor", "batch"),
+    ],
+    ids=["rows disagree", "0-dim", "nested rows disagree", "per-sample items", "no tensor"],
+)
+def test_a_batch_split_error_carries_the_path(batch: object, path: str) -> None:
+    with pytest.raises(BatchSplitError) as caught:
+        scatter(batch, [torch.device("cpu")] * 2)
+    assert caught.value.path == path
+    assert path in str(caught.value)

@@ -146,7 +146,7 @@ def diagnose(
     try:
         report.batch_rows = batch_size_of(batch)
     except BatchSplitError as error:
-        report.findings.append(Finding("error", "not-splittable", "batch", str(error)))
+        report.findings.append(Finding("error", "not-splittable", error.path, str(error)))
         return _sorted(report)
     report.chunk_sizes = chunk_sizes(report.batch_rows, replicas)
     if len(report.chunk_sizes) < 2:

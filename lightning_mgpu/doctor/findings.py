@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -534,20 +533,15 @@ def step_failed(error: BaseException) -> Finding:
 def split_failed(error: BaseException, replicas: int) -> Finding:
     """The error for a step that raised only when split: not splittable, not gatherable, or a replica's own error."""
     if isinstance(error, GatherError):
-        return Finding("error", "not-gatherable", _gather_path(str(error)), str(error))
+        return Finding("error", "not-gatherable", error.path, str(error))
     if isinstance(error, BatchSplitError):
-        return Finding("error", "not-splittable", "batch", str(error))
+        return Finding("error", "not-splittable", error.path, str(error))
     return Finding(
         "error",
         "replica-error",
         "training_step",
         f"training_step runs on one device but raised when split across {replicas} replicas: {_describe_error(error)}",
     )
-
-
-def _gather_path(message: str) -> str:
-    match = re.match(r"(output\S*)", message)
-    return match.group(1) if match else "output"
 
 
 def _describe_error(error: BaseException) -> str:

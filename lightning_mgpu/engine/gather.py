@@ -107,7 +107,9 @@ def _gather(
             if list(output.keys()) != keys:
                 raise GatherError(
                     f"{path} of replica {index} has keys {list(output.keys())} but replica 0 returned {keys}."
-                    " Return the same keys from every replica (use None for a missing value)."
+                    " Return the same keys from every replica (use None for a missing value).",
+                    path,
+                    index,
                 )
         items = [
             (key, _gather([output[key] for output in outputs], device, sizes, memory, f"{path}[{key!r}]"))
@@ -134,7 +136,8 @@ def _gather(
             )
         raise GatherError(
             f"{path} has {lengths} items in the replicas. A list or tuple is gathered item by item {readings}; return"
-            " one of those, or wrap the list in lightning_mgpu.PerSample(...) to concatenate lists of any length."
+            " one of those, or wrap the list in lightning_mgpu.PerSample(...) to concatenate lists of any length.",
+            path,
         )
     items = [
         _gather([output[i] for output in outputs], device, sizes, memory, f"{path}[{i}]") for i in range(lengths[0])
@@ -150,7 +153,9 @@ def _gather_dataclass(
         if type(output) is not type(first):
             raise GatherError(
                 f"{path} is a {_kind(first)} in replica 0 but a {_kind(output)} in replica {index}."
-                " Return the same structure from every replica."
+                " Return the same structure from every replica.",
+                path,
+                index,
             )
     names = [name for name, _ in field_values(first)]
     values = []
@@ -169,7 +174,8 @@ def _one_item_per_row(outputs: Sequence[Any], sizes: list[int], memory: LayoutMe
             raise GatherError(
                 f"{path} was concatenated as one item per row in an earlier step, but now the replicas return"
                 f" {lengths} items for chunks of {sizes} rows. Return one item per row in every step; a list of"
-                " values of its own is gathered item by item when wrapped in lightning_mgpu.Fields(...)."
+                " values of its own is gathered item by item when wrapped in lightning_mgpu.Fields(...).",
+                path,
             )
         if memory is not None and remembered is None:
             memory.remember(path, False)
@@ -230,7 +236,8 @@ def _gather_tensors(tensors: Sequence[torch.Tensor], device: torch.device, path:
     if 0 in dims and any(dims):
         raise GatherError(
             f"{path} is 0-dim in some replicas and not in others (dims {dims}); return the same shape from every"
-            " replica."
+            " replica.",
+            path,
         )
     moved = [tensor if tensor.device == device else tensor.to(device) for tensor in tensors]
     if dims[0] == 0:
@@ -240,7 +247,8 @@ def _gather_tensors(tensors: Sequence[torch.Tensor], device: torch.device, path:
         shapes = [tuple(tensor.shape) for tensor in tensors]
         raise GatherError(
             f"{path} has shapes {shapes} in the replicas, which differ beyond dim 0, so they cannot be concatenated"
-            " along the batch dimension. Pad them to a common shape, or reduce them in the step."
+            " along the batch dimension. Pad them to a common shape, or reduce them in the step.",
+            path,
         )
     return torch.cat(moved)
 
@@ -251,12 +259,16 @@ def _check_same_kind(outputs: Sequence[Any], path: str) -> None:
         category = _category(output)
         if category == "other":
             raise GatherError(
-                f"{path} in replica {index} is a {_kind(output)}, which cannot be merged across replicas. {_FIX}"
+                f"{path} in replica {index} is a {_kind(output)}, which cannot be merged across replicas. {_FIX}",
+                path,
+                index,
             )
         if category != expected:
             raise GatherError(
                 f"{path} is a {_kind(outputs[0])} in replica 0 but a {_kind(output)} in replica {index}."
-                " Return the same structure from every replica."
+                " Return the same structure from every replica.",
+                path,
+                index,
             )
 
 

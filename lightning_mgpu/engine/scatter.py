@@ -211,7 +211,8 @@ def scatter_to_devices(
     planner = _Planner(rows)
     plan = planner.plan(batch, "batch")
     if planner.conflicts:
-        raise BatchSplitError(_disagreement(_listing(nearest) + planner.conflicts))
+        conflicts = [f"{path}: {size}" for path, size in planner.conflicts]
+        raise BatchSplitError(_disagreement(_listing(nearest) + conflicts), planner.conflicts[0][0])
     chunks = [
         _take(batch, plan, start, size, device) for start, size, device in zip(_starts(sizes), sizes, used, strict=True)
     ]
@@ -406,7 +407,9 @@ def _row_count(batch: Any) -> tuple[int, list[tuple[str, int, bool]]]:
         if found:
             distinct = {size for _, size, _ in found}
             if len(distinct) > 1:
-                raise BatchSplitError(_disagreement(_listing(found)))
+                first_size = found[0][1]
+                odd = next(path for path, size, _ in found if size != first_size)
+                raise BatchSplitError(_disagreement(_listing(found)), odd)
             return distinct.pop(), found
         level, outermost = deeper, False
     raise BatchSplitError(
@@ -424,7 +427,7 @@ def _sizes_at_level(
         if obj.dim() > 0:
             found.append((path, obj.shape[0], False))
         elif outermost:  # outside every list, so it cannot be one sample's value
-            raise BatchSplitError(_zero_dim(path))
+            raise BatchSplitError(_zero_dim(path), path)
     elif isinstance(obj, PerSample):
         found.append((path, len(obj), True))
     elif isinstance(obj, Mapping):
@@ -469,18 +472,19 @@ class _Planner:
 
     def __init__(self, rows: int) -> None:
         self.rows = rows
-        self.conflicts: list[str] = []
+        self.conflicts: list[tuple[str, str]] = []
+        """(path, size) of each value whose rows are not the batch's."""
 
     def plan(self, obj: Any, path: str) -> Plan:
         if isinstance(obj, torch.Tensor):
             if obj.dim() == 0:
-                raise BatchSplitError(_zero_dim(path))
+                raise BatchSplitError(_zero_dim(path), path)
             if obj.shape[0] != self.rows:
-                self.conflicts.append(f"{path}: {obj.shape[0]}")
+                self.conflicts.append((path, f"{obj.shape[0]}"))
             return _SPLIT_PLAN
         if isinstance(obj, PerSample):
             if len(obj) != self.rows:
-                self.conflicts.append(f"{path}: {len(obj)} items")
+                self.conflicts.append((path, f"{len(obj)} items"))
             return _ITEMS_PLAN
         if isinstance(obj, Mapping):
             return (Cut.MAPPING, [self.plan(value, f"{path}[{key!r}]") for key, value in obj.items()])
