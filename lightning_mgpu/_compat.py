@@ -1,4 +1,4 @@
-"""The one place that touches private torch, Lightning and torchmetrics API; each use says why and is tested.
+"""The one place that touches private torch, Lightning, torchmetrics and jsonargparse API; each use says why, is tested.
 
 Everything else in the package uses public API only. When a supported release changes one of these, this module
 and ``tests/test_compat.py`` are what change. The module imports nothing from Lightning at import time, so the
@@ -21,14 +21,19 @@ torch:
 
 Lightning and torchmetrics:
     ``mgpu_ddp`` checks a launcher's process counts in ``_configure_launcher``, the hook Lightning calls once the
-    cluster environment, the devices and ``num_nodes`` are known and before its own launcher checks run (an override
-    in ``strategies/ddp.py``, covered by the Trainer-building tests of ``tests/test_launch_mismatch.py``). Exact resume
+    cluster environment, the devices and ``num_nodes`` are known and before its own launcher checks run
+    (``LaunchCheck``, covered by the Trainer-building tests of ``tests/test_launch_mismatch.py``), and removes the
+    ``forward`` attribute Lightning's DDP strategy leaves on a module. Exact resume
     needs what Lightning does not checkpoint (the epoch's logged aggregates, the position in the epoch) and what
     torchmetrics keeps out of the state dict (a metric's update count), and a faithful copy of a DataLoader with
     another sampler, which only Lightning's private ``_update_dataloader`` builds. ``MGPUDDPStrategy(uneven_batches=
     True)`` weights logged values by the real rows of each rank's batch, which Lightning reads from its private result
     collection, and keeps the padding row out of epoch sums, maxima and minima kept there. It also judges the
     training DataLoader as the user's code built it, which only the fit loop's private data source returns.
+
+jsonargparse:
+    Its errors name the config key and the class paths they concern only in their text, which the command line
+    reads to say which class path does not import and why.
 """
 
 from __future__ import annotations
@@ -78,9 +83,33 @@ def bind_compiled_wrapper(shell: nn.Module) -> None:
     shell._initialize()  # type: ignore[operator]
 
 
+COMPILED_CALL = "_compiled_call_impl"
+"""Where ``module.compile()`` keeps the compiled call that ``nn.Module.__call__`` then runs instead of its own."""
+
+REPLICA_FLAG = "_is_replica"
+"""The instance attribute torch's ``replicate`` sets on every replica: ``zero_grad()`` on a module that has it
+warns that it has no effect, as on a replica of ``torch.nn.DataParallel``."""
+
+
 def compiled_call(module: nn.Module) -> Callable[..., Any] | None:
     """The compiled call that ``module.compile()`` installed, or ``None`` for a module compiled in no such way."""
-    return module.__dict__.get("_compiled_call_impl")
+    return module.__dict__.get(COMPILED_CALL)
+
+
+def set_compiled_call(shell: nn.Module, call: Callable[..., Any] | None) -> None:
+    """Make ``shell`` (a replica's shell) run ``call`` as ``module.compile()`` would have it, or its own forward."""
+    shell.__dict__[COMPILED_CALL] = call
+
+
+def _raw_alias() -> Callable[[torch.Tensor], torch.Tensor]:
+    # The builtin behind the overload (private ``_op``), called without the Python frame of ``OpOverload.__call__``,
+    # which only forwards to it; the overload itself where a torch has no such builtin.
+    overload = torch.ops.aten.alias.default
+    return getattr(overload, "_op", overload)
+
+
+alias: Callable[[torch.Tensor], torch.Tensor] = _raw_alias()
+"""``aten.alias``: a tensor sharing ``tensor``'s storage whose backward passes the gradient through untouched."""
 
 
 def recompile_call(compiled: Callable[..., Any], shell: nn.Module) -> Callable[..., Any] | None:
@@ -209,6 +238,35 @@ def unused_parameter_indices(message: str) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------- Lightning and torchmetrics
+
+
+class LaunchCheck:
+    """A strategy base that runs ``check_launch()`` from Lightning's private ``_configure_launcher`` hook.
+
+    Lightning calls that hook while building the Trainer, once the cluster environment, the devices and
+    ``num_nodes`` are known and before its own launcher checks run: the earliest point to catch a launcher that
+    started other process counts, before any rank waits on another. Put it before Lightning's strategy class.
+    """
+
+    def check_launch(self) -> None:
+        """What the strategy checks before Lightning configures its launcher."""
+
+    def _configure_launcher(self) -> None:
+        self.check_launch()
+        super()._configure_launcher()  # type: ignore[misc]
+
+
+def drop_forward_left_by_lightning(module: Any) -> None:
+    """Remove the ``forward`` attribute Lightning's DDP strategy leaves on ``module`` when it undoes its redirection.
+
+    Lightning routes each DDP step through the module's ``forward`` by setting an instance attribute, and undoing that
+    sets the class's own ``forward``, bound to the module, as an attribute; nothing public removes it, and a module
+    that keeps it no longer sees a ``forward`` a subclass or a later strategy changes.
+    """
+    forward = module.__dict__.get("forward")
+    own_forward = getattr(type(module), "forward", None)
+    if getattr(forward, "__self__", None) is module and getattr(forward, "__func__", None) is own_forward:
+        del module.__dict__["forward"]
 
 
 def batches_done_in_epoch(trainer: Any) -> int:
@@ -420,3 +478,19 @@ def restore_epoch_aggregates(trainer: Any, saved: dict[str, torch.Tensor]) -> No
         elif metric.meta.is_max_reduction or metric.meta.is_min_reduction:
             bound = float("-inf") if metric.meta.is_max_reduction else float("inf")
             metric.value = torch.full_like(metric.value, bound)
+
+
+# ---------------------------------------------------------------------------------------------------- jsonargparse
+
+_PARSER_KEY = re.compile(r'Parser key "([^"]+)"')
+_CLASS_PATH = re.compile(r"class_path '([\w.]+)'")
+
+
+def parser_error_facts(message: str) -> tuple[str | None, list[str]]:
+    """The config key and the class paths, first seen first, that a jsonargparse error names.
+
+    jsonargparse states them only in the text of its error (``Parser key "model": ... class_path 'a.B' ...``), so
+    the command line reads them from there to say which class path does not import, and why.
+    """
+    key = _PARSER_KEY.search(message)
+    return (key.group(1) if key else None), list(dict.fromkeys(_CLASS_PATH.findall(message)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -30,7 +31,7 @@ class MGPUMixin:
         super().__init_subclass__(**kwargs)
         for step in STEP_END_HOOKS:
             method = getattr(cls, step, None)  # inherited defaults too, so a lone predict_step_end still runs
-            if callable(method) and not getattr(method, "_mgpu_calls_step_end", False):
+            if callable(method) and method not in _STEP_THEN_STEP_END:
                 setattr(cls, step, _calling_step_end(step, method))
 
     def to_device_of(self, obj: Any, related: torch.Tensor | nn.Module | torch.device | str) -> Any:
@@ -51,5 +52,9 @@ def _calling_step_end(step: str, method: Callable[..., Any]) -> Callable[..., An
         step_end = getattr(self, hook, None)
         return step_end(output) if callable(step_end) else output
 
-    step_then_step_end._mgpu_calls_step_end = True  # type: ignore[attr-defined]
+    _STEP_THEN_STEP_END.add(step_then_step_end)
     return step_then_step_end
+
+
+_STEP_THEN_STEP_END: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
+"""The steps ``_calling_step_end`` made, so a subclass does not wrap a step it inherits already wrapped."""

@@ -94,6 +94,60 @@ def test_a_compile_call_is_found_and_rebound_to_another_module() -> None:
     torch.testing.assert_close(rebound(x), other(x), rtol=0, atol=0)
 
 
+def test_a_compiled_call_set_on_a_shell_is_the_one_its_call_runs() -> None:
+    module, shell = nn.Linear(3, 4), nn.Linear(3, 4)
+    module.compile(backend="eager")
+    compiled = _compat.compiled_call(module)
+    assert compiled is not None
+    _compat.set_compiled_call(shell, _compat.recompile_call(compiled, shell))
+    assert _compat.compiled_call(shell) is not None
+    calls: list[int] = []
+    shell.register_forward_hook(lambda *_: calls.append(1))
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(shell(x), torch.nn.functional.linear(x, shell.weight, shell.bias), rtol=0, atol=0)
+    assert calls == [1]
+    _compat.set_compiled_call(shell, None)
+    assert _compat.compiled_call(shell) is None
+
+
+def test_the_replica_flag_is_torchs(recwarn: pytest.WarningsRecorder) -> None:
+    replica = _compat.own_replica(nn.LSTM(2, 2))  # what torch's replicate makes of every module
+    assert vars(replica)[_compat.REPLICA_FLAG] is True
+    replica.zero_grad()
+    assert any("nn.DataParallel" in str(warning.message) for warning in recwarn)
+
+
+def test_alias_shares_storage_and_passes_gradients_through() -> None:
+    param = nn.Parameter(torch.randn(3, 2))
+    alias = _compat.alias(param)
+    assert alias is not param
+    assert alias.data_ptr() == param.data_ptr()
+    (alias * 2).sum().backward()
+    torch.testing.assert_close(param.grad, torch.full((3, 2), 2.0), rtol=0, atol=0)
+    sparse = nn.Embedding(5, 2, sparse=True)
+    nn.functional.embedding(torch.tensor([1]), _compat.alias(sparse.weight), sparse=True).sum().backward()
+    assert sparse.weight.grad is not None
+    assert sparse.weight.grad.is_sparse
+
+
+@pytest.mark.parametrize(
+    ("message", "key", "class_paths"),
+    [
+        (
+            'Parser key "model":\n  Does not validate against any of the types in typing.Union:\n'
+            "    - Problem with given class_path 'examples.nope.Model':\n      No module named 'examples.nope'\n"
+            "    - Problem with given class_path 'examples.nope.Model':\n",
+            "model",
+            ["examples.nope.Model"],
+        ),
+        ("Import of class_path 'a.B' failed; class_path 'c.D' too", None, ["a.B", "c.D"]),
+        ("nothing to read here", None, []),
+    ],
+)
+def test_parser_errors_name_their_key_and_class_paths(message: str, key: str | None, class_paths: list[str]) -> None:
+    assert _compat.parser_error_facts(message) == (key, class_paths)
+
+
 @pytest.mark.filterwarnings("ignore:.*weight_norm.*is deprecated:FutureWarning")
 def test_attributes_rewritten_by_torch_hooks_are_named() -> None:
     legacy = torch.nn.utils.weight_norm(nn.Linear(3, 4))  # the form that recomputes ``weight`` in a pre-hook

@@ -30,6 +30,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
 import lightning_mgpu  # noqa: F401 - registers mgpu_dp and mgpu_ddp before the Trainer is built
+from lightning_mgpu._compat import parser_error_facts
 from lightning_mgpu.checks import check_gpus_exist
 from lightning_mgpu.cli import EXIT_USAGE, PROG
 from lightning_mgpu.errors import ConfigurationError
@@ -355,9 +356,9 @@ def _note_loggers(config_path: str, loggers: Sequence[Logger]) -> None:
 
 def _class_path_problem(message: str, working_directory: str) -> ClassPathError | None:
     """The first class path named in a jsonargparse error that does not import, as a ``ClassPathError``."""
-    key = re.search(r'Parser key "([^"]+)"', message)
-    where = f"{key.group(1)}: class path" if key else "class path"
-    for class_path in dict.fromkeys(re.findall(r"class_path '([\w.]+)'", message)):
+    key, class_paths = parser_error_facts(message)
+    where = f"{key}: class path" if key else "class path"
+    for class_path in class_paths:
         module_name, _, class_name = class_path.rpartition(".")
         if not module_name:
             continue

@@ -154,13 +154,13 @@ class _Structure:
                         name: None if buffer is None else _buffer_copy(buffer, device, first)
                         for name, buffer in buffers.items()
                     }
-                state["_is_replica"] = True
+                state[_compat.REPLICA_FLAG] = True
             else:
                 _wire(original, shell, shells, position, device, aliases, first=first)
                 buffers = source["_buffers"]
             if kept_buffers is not None and buffers:
                 kept_buffers.append((original, shell))
-            if wrapper or source.get("_compiled_call_impl") is not None:
+            if wrapper or source.get(_compat.COMPILED_CALL) is not None:
                 compiled.append((original, shell))
         for original, shell in compiled:
             _bind_compiled(original, shell)
@@ -264,7 +264,7 @@ def _refresh(original: nn.Module, shell: nn.Module) -> None:
     state["_parameters"] = {}
     state["_buffers"] = dict(original._buffers)
     state["_modules"] = dict(original._modules)
-    state["_is_replica"] = True
+    state[_compat.REPLICA_FLAG] = True
 
 
 def _wire(
@@ -307,7 +307,7 @@ def _bind_compiled(original: nn.Module, shell: nn.Module) -> None:
             UserWarning,
             stacklevel=4,
         )
-    shell.__dict__["_compiled_call_impl"] = rebound
+    _compat.set_compiled_call(shell, rebound)
 
 
 def _replica_parameters_of(
@@ -381,12 +381,10 @@ class _ReplicaParameters(torch.autograd.Function):
 
 
 # ``alias`` rather than ``view_as``: its backward passes the gradient through untouched, so sparse gradients
-# (nn.Embedding(sparse=True)) reach the parameter as they do on one device. Called through the builtin behind the
-# overload (private ``_op``), without the Python frame of ``OpOverload.__call__``, which only forwards to it. Used
-# for replicas of modules with few trainable parameters, where no gradient is recorded, and for a parameter already
-# on a replica's device when others are not; a private torch touch point, covered by tests/test_replicate.py.
-_ALIAS_OVERLOAD = torch.ops.aten.alias.default
-_alias: Callable[[torch.Tensor], torch.Tensor] = getattr(_ALIAS_OVERLOAD, "_op", _ALIAS_OVERLOAD)
+# (nn.Embedding(sparse=True)) reach the parameter as they do on one device. Used for replicas of modules with few
+# trainable parameters, where no gradient is recorded, and for a parameter already on a replica's device when
+# others are not.
+_alias = _compat.alias
 
 
 def _parameter_alias(param: torch.Tensor, device: torch.device) -> torch.Tensor:

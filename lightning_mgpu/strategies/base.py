@@ -8,6 +8,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
+from lightning_mgpu._compat import drop_forward_left_by_lightning
 from lightning_mgpu.checks import check_devices_exist, check_model, report
 from lightning_mgpu.resume import ExactResume
 from lightning_mgpu.step.hooks import claim_step_end, release_step_end
@@ -51,7 +52,4 @@ class MGPUStrategyMixin(ExactResume):
         if module is None:
             return
         release_step_end(module)
-        forward = module.__dict__.get("forward")
-        own_forward = getattr(type(module), "forward", None)
-        if getattr(forward, "__self__", None) is module and getattr(forward, "__func__", None) is own_forward:
-            del module.__dict__["forward"]
+        drop_forward_left_by_lightning(module)

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_mgpu._compat import (
+    LaunchCheck,
     converts_batchnorm_to_sync,
     epoch_aggregates,
     is_unused_parameters_error,
@@ -128,7 +129,7 @@ def _release_process_group() -> None:
         time.sleep(_EXIT_GRACE_S)
 
 
-class MGPUDDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
+class MGPUDDPStrategy(MGPUStrategyMixin, LaunchCheck, LightningDDPStrategy):
     """One process per device, gradients all-reduced by ``DistributedDataParallel``, with the classic recipe built in.
 
     Compared with Lightning's ``"ddp"``: on CUDA the process's device is set from its local rank before the process
@@ -246,11 +247,9 @@ class MGPUDDPStrategy(MGPUStrategyMixin, LightningDDPStrategy):
         super().teardown()
 
     @override
-    def _configure_launcher(self) -> None:
-        # Lightning calls this while building the Trainer, once the environment, devices and num_nodes are known:
-        # the earliest point to catch a launcher that started other process counts, before any rank waits on another.
+    def check_launch(self) -> None:
+        """Process counts a launcher started that disagree with ``devices``/``num_nodes`` stop the Trainer's build."""
         check_launch_matches_trainer(self.cluster_environment, self.num_processes, self.num_nodes)
-        super()._configure_launcher()
 
     @override
     def setup_environment(self) -> None:
