@@ -819,6 +819,29 @@ def test_a_lightning_step_runs_through_the_same_overridable_phases() -> None:
     ]
 
 
+@pytest.mark.parametrize("call", ["forward", "step"])
+def test_a_module_not_on_the_root_device_is_refused_before_any_replica_runs(call: str) -> None:
+    module = Regressor().double()
+    module.net[2].to("meta")  # one layer left behind on another device
+    x, y = torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 1, dtype=torch.float64)
+    wrapper = _Traced(module, CPU2)
+    calls = {
+        "forward": lambda: wrapper(x),
+        "step": lambda: run_replica_step(wrapper, module, "validation_step", ([x, y], 0), {}),
+    }
+    try:
+        with pytest.raises(ConfigurationError) as caught:
+            calls[call]()
+    finally:
+        wrapper.close()
+    assert str(caught.value) == (
+        "MGPUDataParallel needs the module on its first device, cpu, but parameter 'net.2.weight' is on meta. Move"
+        " the module there before calling the wrapper: module.to('cpu')."
+    )
+    assert ("parallel_apply", None) not in wrapper.seen
+    assert ("parallel_apply", "validation_step") not in wrapper.seen
+
+
 # --- against torch.nn.DataParallel on real GPUs ---------------------------------------------------------------------
 
 
