@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import inspect
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
@@ -17,24 +17,15 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities import CombinedLoader
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
-from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_mgpu._compat import (
     LaunchCheck,
     converts_batchnorm_to_sync,
-    epoch_aggregates,
     is_unused_parameters_error,
-    metric_states,
-    restore_epoch_aggregates,
-    restore_metric_states,
-    set_logged_batch_size,
-    training_batch,
     unused_parameter_indices,
-    watch_training_data,
     with_sampler,
 )
 from lightning_mgpu.engine.reduce import reduce_op_name
@@ -43,14 +34,8 @@ from lightning_mgpu.step.health import StepHealth, stop_iteration_is_an_error
 from lightning_mgpu.step.hooks import call_step_end
 from lightning_mgpu.strategies.base import MGPUStrategyMixin
 from lightning_mgpu.strategies.launch_checks import check_launch_matches_trainer
-from lightning_mgpu.strategies.samplers import EvenlyShardedSampler, UnevenShardSampler, is_padding_sampler
-from lightning_mgpu.strategies.uneven_checks import (
-    check_accumulation_now,
-    check_uneven_training,
-    lightnings_sampler,
-    shuffles,
-    training_loader,
-)
+from lightning_mgpu.strategies.samplers import EvenlyShardedSampler, is_padding_sampler
+from lightning_mgpu.strategies.uneven import UnevenTraining, reduce_over_real_rows
 
 _EVALUATION_STAGES = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING)
 _EXIT_GRACE_S = 0.1
@@ -66,25 +51,6 @@ class _ProcessExit:
 
 
 _process_exit = _ProcessExit()
-
-
-def _identity(tensor: torch.Tensor, op: str) -> torch.Tensor:
-    """What a rank without real rows contributes to a sum, maximum or minimum: a value that changes nothing."""
-    if op == "sum":
-        return torch.zeros_like(tensor)
-    if tensor.is_floating_point():
-        return torch.full_like(tensor, float("-inf") if op == "max" else float("inf"))
-    limits = torch.iinfo(tensor.dtype)
-    return torch.full_like(tensor, limits.min if op == "max" else limits.max)
-
-
-@dataclass
-class _PaddingStep:
-    """What a rank's padding row would change and a step must leave as it was: buffers, metrics, epoch aggregates."""
-
-    buffers: list[torch.Tensor]
-    metrics: dict[str, dict[str, Any]]
-    aggregates: dict[str, torch.Tensor]
 
 
 def buffer_sync_keyword() -> str:
@@ -217,33 +183,36 @@ class MGPUDDPStrategy(MGPUStrategyMixin, LaunchCheck, LightningDDPStrategy):
             **kwargs,
         )
         self.broadcast_buffers = broadcast_buffers
+        self._uneven: UnevenTraining | None = None
         self.uneven_batches = uneven_batches
         self._health = StepHealth(self.strategy_name)
-        self._shards: UnevenShardSampler | None = None
-        self._step_rows: tuple[int, int] | None = None
-        self._step_batch: Any = None
-        self._padding_step: _PaddingStep | None = None
-        self._weighting_paused = False
-        self._training_data: tuple[object] | None = None
-        self._stop_watching: Callable[[], None] | None = None
+
+    @property
+    def uneven_batches(self) -> bool:
+        """Whether each optimizer step equals one device's on data the ranks do not divide (see the class)."""
+        return self._uneven is not None
+
+    @uneven_batches.setter
+    def uneven_batches(self, uneven_batches: bool) -> None:
+        if not uneven_batches:
+            self._uneven = None
+        elif self._uneven is None:
+            self._uneven = UnevenTraining()
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module
         assert module is not None
         self._prepare_module(trainer, module)
-        if self.uneven_batches and trainer.state.fn == TrainerFn.FITTING:
-            check_uneven_training(trainer, module, converts_batchnorm_to_sync(self))
-            self._stop_watching = watch_training_data(trainer, self._see_training_data)
+        if self._uneven is not None and trainer.state.fn == TrainerFn.FITTING:
+            self._uneven.setup(trainer, module, converts_batchnorm_to_sync(self))
         super().setup(trainer)
 
     @override
     def teardown(self) -> None:
         self._release_module(self.lightning_module)
-        self._shards = self._step_rows = self._step_batch = self._padding_step = self._training_data = None
-        if self._stop_watching is not None:
-            self._stop_watching()
-            self._stop_watching = None
+        if self._uneven is not None:
+            self._uneven.teardown()
         super().teardown()
 
     @override
@@ -265,7 +234,8 @@ class MGPUDDPStrategy(MGPUStrategyMixin, LaunchCheck, LightningDDPStrategy):
             self._health.check_batchnorm(self.lightning_module, "each rank's batch", self._batchnorm_fix())
         with stop_iteration_is_an_error("training_step"):
             output = self._step_end("training_step", super().training_step(*args, **kwargs))
-        self._undo_padding_step()
+        if self._uneven is not None:
+            self._uneven.undo_padding_step(self._trainer())
         self._health.check_loss(output, self._where)
         return output
 
@@ -296,9 +266,9 @@ class MGPUDDPStrategy(MGPUStrategyMixin, LaunchCheck, LightningDDPStrategy):
         values) a mean is weighted by each rank's real rows, and a rank whose batch is a padding row contributes
         nothing to a sum, maximum or minimum.
         """
-        rows = self._rows_to_weight_by()
+        rows = None if self._uneven is None else self._uneven.rows_to_weight_by(self._trainer())
         if rows is not None and isinstance(tensor, torch.Tensor):
-            return self._reduce_over_real_rows(tensor, rows, group, reduce_op)
+            return reduce_over_real_rows(tensor, rows, group, reduce_op, super().reduce)
         if isinstance(tensor, torch.Tensor) and not tensor.is_floating_point() and reduce_op_name(reduce_op) == "mean":
             tensor = tensor.to(torch.get_default_dtype())
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
@@ -306,11 +276,8 @@ class MGPUDDPStrategy(MGPUStrategyMixin, LaunchCheck, LightningDDPStrategy):
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
         """Lightning's: every rank's vote counts, padding row or not (checkpoint and early-stopping decisions)."""
-        self._weighting_paused = True
-        try:
+        with contextlib.nullcontext() if self._uneven is None else self._uneven.unweighted():
             return super().reduce_boolean_decision(decision, all=all)
-        finally:
-            self._weighting_paused = False
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -322,8 +289,8 @@ class MGPUDDPStrategy(MGPUStrategyMixin, LaunchCheck, LightningDDPStrategy):
         if self._stage() in _EVALUATION_STAGES and is_padding_sampler(getattr(dataloader, "sampler", None)):
             sampler = dataloader.sampler  # type: ignore[attr-defined]
             return with_sampler(dataloader, EvenlyShardedSampler.like(sampler))  # type: ignore[arg-type]
-        if self.uneven_batches and self._stage() == RunningStage.TRAINING:
-            dataloader = self._shard_unevenly(dataloader)
+        if self._uneven is not None and self._stage() == RunningStage.TRAINING:
+            dataloader = self._uneven.shard(dataloader)
         return super().process_dataloader(dataloader)
 
     @override
@@ -331,36 +298,26 @@ class MGPUDDPStrategy(MGPUStrategyMixin, LaunchCheck, LightningDDPStrategy):
         """With ``uneven_batches``: look up this step's real rows, and have logged values weighted by them."""
         super().on_train_batch_start(batch, batch_idx)
         trainer = self._trainer()
-        if self._shards is None or trainer is None:
-            return
-        check_accumulation_now(trainer)
-        self._restore_padding_buffers()  # a padding step whose loss had no backward (it returned None)
-        self._step_rows = self._shards.rows(batch_idx)
-        self._step_batch = batch
-        set_logged_batch_size(trainer, self._step_rows[0])
-        if self._step_rows[0] == 0:
-            module = trainer.lightning_module
-            self._padding_step = _PaddingStep(
-                buffers=[buffer.detach().clone() for buffer in module.buffers()],
-                metrics=metric_states(module),
-                aggregates=epoch_aggregates(trainer),
-            )
+        if self._uneven is not None and trainer is not None:
+            self._uneven.start_batch(trainer, batch, batch_idx)
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Any:
         """With ``uneven_batches``, scale this rank's loss so DDP's average of gradients is one device's gradient.
 
-        DDP divides the sum of the ranks' gradients by the number of ranks; a rank whose loss is the mean over its
-        ``rows`` of a step's ``total`` rows, scaled by ``rows * world_size / total``, makes that average the gradient
-        of the mean over all the step's rows. In full steps the factor is 1; a padding row's is 0.
+        The factor (``UnevenTraining.loss_scale``) is 1 in full steps and 0 for a padding row, whose buffers are put
+        back after its backward.
         """
-        rows = self._current_rows()
-        if rows is not None and rows[0] * self.world_size != rows[1]:
-            closure_loss = closure_loss * (rows[0] * self.world_size / rows[1])
+        if self._uneven is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        trainer = self._trainer()
+        scale = self._uneven.loss_scale(trainer, self.world_size)
+        if scale is not None:
+            closure_loss = closure_loss * scale
         try:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         finally:
-            self._restore_padding_buffers()
+            self._uneven.restore_padding_buffers(trainer)
 
     @override
     def on_validation_start(self) -> None:
@@ -378,60 +335,6 @@ class MGPUDDPStrategy(MGPUStrategyMixin, LaunchCheck, LightningDDPStrategy):
             return
         super().on_exception(exception)
 
-    def _current_rows(self) -> tuple[int, int] | None:
-        """This rank's real rows and the step's, while a training batch of an uneven epoch runs; else ``None``."""
-        if self._step_rows is None:  # uneven_batches off, or no training batch yet: every step and reduce asks
-            return None
-        trainer = self._trainer()
-        if trainer is None or training_batch(trainer) is not self._step_batch:
-            return None
-        return self._step_rows
-
-    def _rows_to_weight_by(self) -> int | None:
-        rows = self._current_rows()
-        return None if rows is None or self._weighting_paused else rows[0]
-
-    def _reduce_over_real_rows(self, tensor: torch.Tensor, rows: int, group: Any | None, reduce_op: Any) -> Any:
-        """Reduce a value logged in a training batch as if one device had logged it over the step's real rows.
-
-        A mean is weighted by each rank's real rows, in one all-reduce of the weighted values and the weights
-        together; to a sum, maximum or minimum a rank without real rows contributes the value that changes nothing.
-        """
-        op = reduce_op_name(reduce_op)
-        if op == "mean" and dist.is_available() and dist.is_initialized():
-            value = tensor if tensor.is_floating_point() else tensor.to(torch.get_default_dtype())
-            payload = torch.cat([value.detach().reshape(-1) * rows, value.new_tensor([rows])])
-            dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=group)
-            return (payload[:-1] / payload[-1]).reshape(value.shape)
-        if rows == 0 and op in ("sum", "max", "min"):
-            tensor = _identity(tensor, op)
-        return super().reduce(tensor, group=group, reduce_op=reduce_op)
-
-    def _see_training_data(self, data: object) -> None:
-        self._training_data = (data,)
-
-    def _shard_unevenly(self, dataloader: object) -> object:
-        """The training DataLoader with an ``UnevenShardSampler`` in place of Lightning's padding sampler.
-
-        What the plan can follow is judged on the training data as it was built (``_see_training_data`` received it
-        from Lightning's fetch); the ranks and the seed come from the ``DistributedSampler`` Lightning put in its
-        rebuilt copy, the order from how the DataLoader was built: ``shuffle=True`` shuffles as that sampler does,
-        ``shuffle=False`` keeps the dataset's order, as one device would.
-        """
-        assert self._training_data is not None, "setup watches the training data source before Lightning fetches it"
-        data = self._training_data[0]
-        built = training_loader((data if isinstance(data, CombinedLoader) else CombinedLoader(data)).flattened)
-        assert isinstance(dataloader, DataLoader), "Lightning's copy of a DataLoader is a DataLoader"
-        assert built.batch_size is not None, "training_loader refuses DataLoaders without a batch_size"
-        sampler = lightnings_sampler(dataloader)
-        self._shards = UnevenShardSampler.like(
-            sampler,
-            built.batch_size,
-            drop_last=dataloader.drop_last or sampler.drop_last,
-            shuffle=sampler.shuffle and shuffles(built),
-        )
-        return with_sampler(dataloader, self._shards)
-
     def _batchnorm_fix(self) -> str:
         """How to make BatchNorm layers train as on one device, with what this strategy's settings accept."""
         if not self.uneven_batches:
@@ -445,29 +348,6 @@ class MGPUDDPStrategy(MGPUStrategyMixin, LaunchCheck, LightningDDPStrategy):
             " its statistics would take in the padding row); or leave uneven_batches off and pass"
             " Trainer(sync_batchnorm=True), on GPUs."
         )
-
-    def _undo_padding_step(self) -> None:
-        """After a step on a padding row, put back the metric states and epoch aggregates that row changed.
-
-        Its buffers are put back after its backward (``_restore_padding_buffers``): the backward may still need them.
-        """
-        saved = self._padding_step
-        trainer = self._trainer()
-        if saved is None or trainer is None:
-            return
-        restore_metric_states(trainer.lightning_module, saved.metrics)
-        restore_epoch_aggregates(trainer, saved.aggregates)
-
-    def _restore_padding_buffers(self) -> None:
-        """Put back the buffers a padding row's step changed (BatchNorm statistics, counters), and only those."""
-        saved, self._padding_step = self._padding_step, None
-        trainer = self._trainer()
-        if saved is None or trainer is None:
-            return
-        with torch.no_grad():
-            for buffer, value in zip(trainer.lightning_module.buffers(), saved.buffers, strict=True):
-                if not torch.equal(buffer, value):
-                    buffer.copy_(value)
 
     def _where(self) -> str:
         step = self.lightning_module.global_step if self.lightning_module is not None else 0

@@ -108,7 +108,8 @@ class Batches(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         self.batches.setdefault(trainer.current_epoch, []).append(batch[2].tolist())
-        shards = trainer.strategy._shards
+        uneven = trainer.strategy._uneven
+        shards = uneven.shards if uneven is not None else None
         self.rows.setdefault(trainer.current_epoch, []).append(list(shards.rows(batch_idx)) if shards else [])
 
     def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
