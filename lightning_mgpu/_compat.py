@@ -101,15 +101,11 @@ def set_compiled_call(shell: nn.Module, call: Callable[..., Any] | None) -> None
     shell.__dict__[COMPILED_CALL] = call
 
 
-def _raw_alias() -> Callable[[torch.Tensor], torch.Tensor]:
-    # The builtin behind the overload (private ``_op``), called without the Python frame of ``OpOverload.__call__``,
-    # which only forwards to it; the overload itself where a torch has no such builtin.
-    overload = torch.ops.aten.alias.default
-    return getattr(overload, "_op", overload)
+alias: Callable[[torch.Tensor], torch.Tensor] = torch.ops.aten.alias.default._op
+"""``aten.alias``: a tensor sharing its input's storage, whose backward passes the gradient through untouched.
 
-
-alias: Callable[[torch.Tensor], torch.Tensor] = _raw_alias()
-"""``aten.alias``: a tensor sharing ``tensor``'s storage whose backward passes the gradient through untouched."""
+The builtin behind the overload (private ``_op``), called without the Python frame of ``OpOverload.__call__``, which
+only forwards to it."""
 
 
 def recompile_call(compiled: Callable[..., Any], shell: nn.Module) -> Callable[..., Any] | None:
@@ -169,8 +165,6 @@ def names_rewritten_by_hooks(module: nn.Module, owned: Callable[[type], bool]) -
     return names
 
 
-_len_torch_function_stack: Callable[[], int] | None = getattr(torch._C, "_len_torch_function_stack", None)
-
 _TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 _GET_DEFAULT_DEVICE_SEES_CONTEXTS = _TORCH_VERSION >= (2, 8)
 
@@ -193,9 +187,8 @@ def default_device() -> torch.device:
     return torch.get_default_device()
 
 
-def function_mode_depth() -> int | None:
-    """How many torch function modes are active on this thread, or ``None`` where torch does not say."""
-    return None if _len_torch_function_stack is None else _len_torch_function_stack()
+function_mode_depth: Callable[[], int] = torch._C._len_torch_function_stack
+"""How many torch function modes are active on this thread: a C call, cheap enough to ask every step."""
 
 
 BatchNorm = nn.modules.batchnorm._BatchNorm
