@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import warnings
 from collections import OrderedDict, namedtuple
 from dataclasses import dataclass, field
@@ -370,3 +371,8 @@ def test_a_batch_split_error_carries_the_path(batch: object, path: str) -> None:
         scatter(batch, [torch.device("cpu")] * 2)
     assert caught.value.path == path
     assert path in str(caught.value)
+
+
+def test_a_batch_split_error_keeps_its_path_when_pickled() -> None:
+    error = pickle.loads(pickle.dumps(BatchSplitError("batch['y'] disagrees", "batch['y']")))
+    assert (str(error), error.path) == ("batch['y'] disagrees", "batch['y']")
