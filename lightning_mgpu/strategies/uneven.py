@@ -175,12 +175,12 @@ class UnevenTraining:
         restore_epoch_aggregates(trainer, padding.aggregates)
 
     def restore_padding_buffers(self, trainer: pl.Trainer | None) -> None:
-        """Put back the buffers a padding row's step changed (BatchNorm statistics, counters), and only those."""
-        step = self.step
-        padding = None if step is None else step.padding
-        if step is None or padding is None or trainer is None:
+        """Put back the buffers a padding row's step changed (BatchNorm statistics, counters), and only those, once."""
+        if self.step is None:
             return
-        step.padding = None
+        padding, self.step.padding = self.step.padding, None
+        if padding is None or trainer is None:
+            return
         with torch.no_grad():
             for buffer, value in zip(trainer.lightning_module.buffers(), padding.buffers, strict=True):
                 if not torch.equal(buffer, value):
