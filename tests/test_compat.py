@@ -358,3 +358,18 @@ def test_the_training_data_is_seen_as_built_before_lightning_rebuilds_it(tmp_pat
     assert "dataloader" in vars(trainer.fit_loop._data_source)
     stops[0]()
     assert "dataloader" not in vars(trainer.fit_loop._data_source), "stopping leaves the data source as it was"
+
+
+def test_only_the_forward_lightning_leaves_behind_is_dropped() -> None:
+    left = nn.Linear(2, 2)
+    left.__dict__["forward"] = left.forward  # what undoing Lightning's DDP forward redirection leaves
+    _compat.drop_forward_left_by_lightning(left)
+    assert "forward" not in vars(left)
+
+    def own(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    chosen = nn.Linear(2, 2)
+    chosen.__dict__["forward"] = own  # a forward the module's own code set stays
+    _compat.drop_forward_left_by_lightning(chosen)
+    assert vars(chosen)["forward"] is own
