@@ -23,13 +23,14 @@ Lightning and torchmetrics:
     ``mgpu_ddp`` checks a launcher's process counts in ``_configure_launcher``, the hook Lightning calls once the
     cluster environment, the devices and ``num_nodes`` are known and before its own launcher checks run
     (``LaunchCheck``, covered by the Trainer-building tests of ``tests/test_launch_mismatch.py``), and removes the
-    ``forward`` attribute Lightning's DDP strategy leaves on a module. Exact resume
-    needs what Lightning does not checkpoint (the epoch's logged aggregates, the position in the epoch) and what
-    torchmetrics keeps out of the state dict (a metric's update count), and a faithful copy of a DataLoader with
-    another sampler, which only Lightning's private ``_update_dataloader`` builds. ``MGPUDDPStrategy(uneven_batches=
-    True)`` weights logged values by the real rows of each rank's batch, which Lightning reads from its private result
-    collection, and keeps the padding row out of epoch sums, maxima and minima kept there. It also judges the
-    training DataLoader as the user's code built it, which only the fit loop's private data source returns.
+    ``forward`` attribute Lightning's DDP strategy leaves on a module. Exact resume needs what Lightning does not
+    checkpoint (the epoch's logged aggregates, the position in the epoch) and what torchmetrics keeps out of the state
+    dict (a metric's update count), a faithful copy of a DataLoader with another sampler, which only Lightning's
+    private ``_update_dataloader`` builds, and the saved states of stateful DataLoaders, which Lightning drops when
+    the data is set up before the checkpoint's loops are loaded. ``MGPUDDPStrategy(uneven_batches=True)`` weights
+    logged values by the real rows of each rank's batch, which Lightning reads from its private result collection,
+    and keeps the padding row out of epoch sums, maxima and minima kept there. It also judges the training
+    DataLoader as the user's code built it, which only the fit loop's private data source returns.
 
 jsonargparse:
     Its errors name the config key and the class paths they concern only in their text, which the command line
@@ -269,6 +270,17 @@ def batches_done_in_epoch(trainer: Any) -> int:
     ``on_train_batch_end`` is running.
     """
     return int(getattr(trainer.fit_loop.epoch_loop.batch_progress.current, "processed", 0))
+
+
+def saved_dataloader_states(checkpoint: dict[str, Any]) -> list[Any]:
+    """The states of the stateful training DataLoaders that Lightning saved in ``checkpoint``, in the loaders' order.
+
+    Lightning keeps them under the fit loop's entry of its loops' state (``_FitLoop.on_save_checkpoint``) and hands
+    them back only when the data is set up after the loops are loaded, which ``trainer.estimated_stepping_batches``
+    in ``configure_optimizers`` reverses; the checkpoint's layout is Lightning's own, not documented API.
+    """
+    fit_loop = checkpoint.get("loops", {}).get("fit_loop", {})
+    return list(fit_loop.get("state_dict", {}).get("combined_loader", []))
 
 
 def with_sampler(dataloader: DataLoader, sampler: Sampler) -> DataLoader:

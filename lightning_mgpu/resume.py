@@ -1,9 +1,12 @@
 """Exact resume from a mid-epoch checkpoint: the same sample order, the rest of the epoch, the same random streams.
 
-Lightning restarts an interrupted epoch from its first batch (the loop only counts how many batches remain), and
-does not save the random number generators, so a resumed run trains on other samples than the run it continues.
-The ``mgpu_*`` strategies wrap the training sampler in ``ResumableSampler``, store its epoch seed and the RNG states
-in the checkpoint, and on resume skip the batches already trained on and restore the RNG states.
+Lightning restarts an interrupted epoch from its first batch unless the DataLoader keeps its own position (its
+``state_dict``/``load_state_dict`` protocol), and does not save the random number generators, so a resumed run trains
+on other samples than the run it continues. The ``mgpu_*`` strategies store the RNG states and the epoch's logged
+aggregates in the checkpoint. A plain DataLoader's sampler they wrap in ``ResumableSampler``, whose epoch seed they
+store and which skips the batches already trained on. A stateful DataLoader keeps its position by Lightning's
+protocol; the strategies only make sure its saved state reaches it (Lightning drops it when ``configure_optimizers``
+reads ``trainer.estimated_stepping_batches``, which sets the data up before the checkpoint's loops are loaded).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from lightning_mgpu._compat import (
     metric_states,
     restore_metric_states,
     restore_training_results,
+    saved_dataloader_states,
     training_results_state,
     with_sampler,
 )
@@ -114,17 +118,32 @@ def set_rng_states(states: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
+def keeps_its_position(dataloader: object) -> bool:
+    """Whether ``dataloader`` checkpoints its own position by Lightning's ``state_dict``/``load_state_dict`` protocol.
+
+    Such a loader (torchdata's ``StatefulDataLoader``, say) resumes by itself; skipping its batches again here would
+    skip them twice.
+    """
+    return callable(getattr(dataloader, "state_dict", None)) and callable(getattr(dataloader, "load_state_dict", None))
+
+
 class ExactResume:
     """Strategy hooks that save and restore what exact resume needs; a base of both ``mgpu_*`` strategies."""
 
     _resumable: ResumableSampler | None = None
     _resume_state: dict[str, Any] | None = None
     _at_first_batch: dict[str, Any] | None = None
+    _loader_states: list[Any] | None = None
 
     def process_dataloader(self, dataloader: object) -> object:
-        """Wrap the training sampler so a mid-epoch checkpoint can resume on exactly the remaining samples."""
+        """Make the training DataLoader resume a mid-epoch checkpoint on exactly the remaining samples."""
         dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
         if not (isinstance(dataloader, DataLoader) and self._stage() == RunningStage.TRAINING):
+            return dataloader
+        if keeps_its_position(dataloader):
+            if self._loader_states:
+                dataloader.load_state_dict(self._loader_states.pop(0))  # type: ignore[attr-defined]
+                self._continue_epoch()
             return dataloader
         sampler = dataloader.sampler
         if isinstance(sampler, ResumableSampler) or dataloader.batch_size is None or not isinstance(sampler, Sampler):
@@ -132,11 +151,18 @@ class ExactResume:
         wrapped = with_sampler(dataloader, ResumableSampler(sampler))
         assert isinstance(wrapped.sampler, ResumableSampler)
         self._resumable = wrapped.sampler
-        pending, self._resume_state = self._resume_state, None
-        if pending is not None and pending["skip_batches"]:
+        pending = self._continue_epoch()
+        if pending is not None:
             wrapped.sampler.resume(pending["sampler_seed"], skip=pending["skip_batches"] * dataloader.batch_size)
-            self._at_first_batch = pending
         return wrapped
+
+    def _continue_epoch(self) -> dict[str, Any] | None:
+        """The saved state of an epoch the training data now resumes mid-way; its first batch restores the rest."""
+        pending, self._resume_state = self._resume_state, None
+        if pending is None or not pending["skip_batches"]:
+            return None
+        self._at_first_batch = pending
+        return pending
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Add what exact resume needs, per rank: the epoch's sample order and progress, RNG states, epoch metrics.
@@ -158,10 +184,18 @@ class ExactResume:
         super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
 
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """When resuming a fit, restore this rank's RNG states now and keep the rest for the training dataloader."""
+        """When resuming a fit, restore this rank's RNG states now and keep the rest for the training dataloader.
+
+        A stateful DataLoader's saved state is handed to it when it is set up, as Lightning does; handing the same
+        state again is harmless, and it is what Lightning omits when the data was set up before the checkpoint's
+        loops were loaded.
+        """
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)  # type: ignore[misc]
+        if self._fn() != TrainerFn.FITTING:
+            return checkpoint
+        self._loader_states = list(saved_dataloader_states(checkpoint))
         ranks = checkpoint.get(STATE_KEY, {}).get("ranks")
-        if ranks and self._fn() == TrainerFn.FITTING:
+        if ranks:
             rank = self.global_rank if len(ranks) == self.world_size else 0  # type: ignore[attr-defined]
             state = ranks[rank]
             set_rng_states(state["rng"])

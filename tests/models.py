@@ -7,7 +7,7 @@ from typing import Any
 import lightning as L
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 from lightning_mgpu import MGPUMixin
 
@@ -151,3 +151,35 @@ class Portable(MGPUMixin, L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+class PositionKeepingLoader(DataLoader):
+    """Keeps its place in the epoch by Lightning's ``state_dict``/``load_state_dict`` protocol, as torchdata's does.
+
+    It stores the batches it yielded this epoch and the seed of its shuffled order, and after ``load_state_dict`` its
+    next epoch repeats that order from the first batch not yet yielded.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.yielded = 0
+        self.seed: int | None = None
+        self.loaded: dict[str, Any] | None = None
+
+    def __iter__(self) -> Any:
+        loaded, self.loaded = self.loaded, None
+        skip = loaded["yielded"] if loaded else 0
+        if isinstance(self.sampler, RandomSampler):
+            self.seed = loaded["seed"] if loaded else int(torch.empty((), dtype=torch.int64).random_().item())
+            self.sampler.generator = torch.Generator().manual_seed(self.seed)
+        self.yielded = skip
+        for index, batch in enumerate(super().__iter__()):
+            if index >= skip:
+                self.yielded = index + 1
+                yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"yielded": self.yielded, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loaded = state

@@ -16,27 +16,28 @@ import pytest
 import torch
 import torchmetrics
 from lightning.pytorch.callbacks import ModelCheckpoint
-from models import StepEndRegressor, loader, regression_data, trainer
+from models import PositionKeepingLoader, Regressor, StepEndRegressor, loader, regression_data, trainer
 from processes import clean_env, free_port
+from torch.utils.data import DataLoader, TensorDataset
 
 SCRIPT = Path(__file__).parent / "scripts" / "resume_train.py"
 
 
-def _command(out: Path, strategy: str, every: int, *extra: str) -> list[str]:
-    return [sys.executable, str(SCRIPT), "--out", str(out), "--strategy", strategy, "--every", str(every), *extra]
+def _command(out: Path, options: list[str], *extra: str) -> list[str]:
+    return [sys.executable, str(SCRIPT), "--out", str(out), *options, *extra]
 
 
-def _straight(out: Path, strategy: str, every: int) -> None:
+def _straight(out: Path, options: list[str]) -> None:
     env = clean_env(MASTER_PORT=str(free_port()))
-    result = subprocess.run(_command(out, strategy, every), env=env, capture_output=True, text=True, timeout=180)
+    result = subprocess.run(_command(out, options), env=env, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-def _kill_after(out: Path, strategy: str, every: int, checkpoint: str) -> Path:
+def _kill_after(out: Path, options: list[str], checkpoint: str) -> Path:
     """Start the run, wait for ``checkpoint`` to be written, then SIGKILL every process of the run."""
     env = clean_env(MASTER_PORT=str(free_port()))
     process = subprocess.Popen(
-        _command(out, strategy, every, "--sleep", "0.25"), env=env, start_new_session=True,
+        _command(out, options, "--sleep", "0.25"), env=env, start_new_session=True,
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     target = out / "checkpoints" / checkpoint
@@ -52,10 +53,11 @@ def _kill_after(out: Path, strategy: str, every: int, checkpoint: str) -> Path:
     return target
 
 
-def _resume(out: Path, strategy: str, every: int, checkpoint: Path) -> None:
+def _resume(out: Path, options: list[str], checkpoint: Path) -> None:
     env = clean_env(MASTER_PORT=str(free_port()))
-    command = _command(out, strategy, every, "--ckpt-in", str(checkpoint))
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+    result = subprocess.run(
+        _command(out, options, "--ckpt-in", str(checkpoint)), env=env, capture_output=True, text=True, timeout=180
+    )
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -64,15 +66,28 @@ def _final(out: Path) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["mgpu_dp", "mgpu_ddp"])
 @pytest.mark.parametrize(
-    ("every", "checkpoint"), [(3, "step=13.ckpt"), (0, "step=10.ckpt")], ids=["mid-epoch", "epoch-end"]
+    ("strategy", "every", "checkpoint", "loader"),
+    [
+        pytest.param(strategy, every, checkpoint, loader, id=f"{strategy}-{name}")
+        for strategy in ("mgpu_dp", "mgpu_ddp")
+        # step 13 is in the middle of the second epoch (10 steps per epoch)
+        for name, every, checkpoint, loader in [
+            ("mid-epoch", 13, "step=13.ckpt", "DataLoader"),
+            ("epoch-end", 0, "step=10.ckpt", "DataLoader"),
+            ("mid-epoch-position-keeping-loader", 13, "step=13.ckpt", "PositionKeepingLoader"),
+        ]
+        if strategy == "mgpu_ddp" or loader == "DataLoader"  # mgpu_dp's is in-process, below
+    ],
 )
-def test_sigkill_and_resume_matches_a_straight_run(tmp_path: Path, strategy: str, every: int, checkpoint: str) -> None:
-    every = 13 if every == 3 else every  # step 13 is in the middle of the second epoch (10 steps per epoch)
-    _straight(tmp_path / "straight", strategy, every)
-    saved = _kill_after(tmp_path / "killed", strategy, every, checkpoint)
-    _resume(tmp_path / "resumed", strategy, every, saved)
+def test_sigkill_and_resume_matches_a_straight_run(
+    tmp_path: Path, strategy: str, every: int, checkpoint: str, loader: str
+) -> None:
+    options = ["--strategy", strategy, "--every", str(every)]
+    options += ["--position-keeping"] if loader == "PositionKeepingLoader" else []
+    _straight(tmp_path / "straight", options)
+    saved = _kill_after(tmp_path / "killed", options, checkpoint)
+    _resume(tmp_path / "resumed", options, saved)
 
     straight, straight_report = _final(tmp_path / "straight")
     resumed, resumed_report = _final(tmp_path / "resumed")
@@ -117,3 +132,57 @@ def test_torchmetrics_epoch_values_continue_after_a_mid_epoch_resume(tmp_path: P
     resumed = fit(str(tmp_path / "checkpoints" / "epoch=0-step=3.ckpt"))
     for name in ("error_mean", "largest"):
         torch.testing.assert_close(resumed.callback_metrics[name], straight.callback_metrics[name], atol=1e-6, rtol=0)
+
+
+class _OrderRecorded(Regressor):
+    """Records each step's sample indices; its learning rate can follow the run's total steps (``OneCycleLR``)."""
+
+    def __init__(self, one_cycle: bool) -> None:
+        super().__init__()
+        self.one_cycle = one_cycle
+        self.steps: list[list[int]] = []
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.steps.append(sorted(batch[2].tolist()))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return super().training_step(batch[:2], batch_idx)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = super().configure_optimizers()
+        if not self.one_cycle:
+            return optimizer
+        total = self.trainer.estimated_stepping_batches  # sets the training data up before the checkpoint is loaded
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=total)
+        return [optimizer], [{"scheduler": schedule, "interval": "step"}]
+
+
+@pytest.mark.parametrize("one_cycle", [False, True], ids=["fixed-lr", "estimated_stepping_batches"])
+@pytest.mark.parametrize("loader_class", [DataLoader, PositionKeepingLoader])
+def test_mid_epoch_resume_trains_on_the_rest_of_the_epoch_in_its_order(
+    tmp_path: Path, loader_class: type[DataLoader], one_cycle: bool
+) -> None:
+    """A shuffled epoch resumed from step 15 of 20 sees the straight run's last 5 batches, whoever keeps the place.
+
+    A DataLoader that keeps its own place by Lightning's protocol is left to it (skipping its batches again would
+    leave nothing of the epoch), and its state reaches it even when ``configure_optimizers`` reads the run's total
+    steps, which makes Lightning drop it.
+    """
+    x, y = regression_data(rows=40)[:]
+    data = TensorDataset(x, y, torch.arange(40))
+
+    def fit(ckpt_path: str | None = None, **overrides: Any) -> _OrderRecorded:
+        L.seed_everything(3)
+        model = _OrderRecorded(one_cycle)
+        run = trainer(tmp_path, max_epochs=2, devices=2, strategy="mgpu_dp", **overrides)
+        run.fit(model, loader_class(data, batch_size=4, shuffle=True), ckpt_path=ckpt_path)
+        return model
+
+    every_third = ModelCheckpoint(dirpath=tmp_path / "checkpoints", every_n_train_steps=3, save_top_k=-1)
+    straight = fit(callbacks=[every_third], enable_checkpointing=True)
+    resumed = fit(str(tmp_path / "checkpoints" / "epoch=1-step=15.ckpt"))
+
+    assert len(straight.steps) == 20
+    assert resumed.steps == straight.steps[15:]
+    for (name, value), resumed_value in zip(straight.named_parameters(), resumed.parameters(), strict=True):
+        torch.testing.assert_close(resumed_value, value, atol=1e-6, rtol=0, msg=name)

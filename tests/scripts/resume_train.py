@@ -16,7 +16,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from models import Regressor, regression_data  # noqa: E402
+from models import PositionKeepingLoader, Regressor, regression_data  # noqa: E402
 
 import lightning_mgpu  # noqa: E402, F401 - registers the strategies
 
@@ -72,6 +72,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=0, help="checkpoint every N steps; 0: at each epoch end")
     parser.add_argument("--ckpt-in", type=Path)
     parser.add_argument("--sleep", type=float, default=0.0)
+    parser.add_argument("--position-keeping", action="store_true", help="a DataLoader that keeps its own place")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     L.seed_everything(7)
@@ -93,7 +94,8 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    data = DataLoader(regression_data(rows=40), batch_size=4, shuffle=True)
+    loader_class = PositionKeepingLoader if args.position_keeping else DataLoader
+    data = loader_class(regression_data(rows=40), batch_size=4, shuffle=True)
     trainer.fit(Logged(dropout=0.2 if args.strategy == "mgpu_ddp" else 0.0), data, ckpt_path=args.ckpt_in)
 
 
