@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_mgpu.helpers import to_device_of
-from lightning_mgpu.step.hooks import CALLER_RUNS_STEP_END, STEP_END_HOOKS
+from lightning_mgpu.step.hooks import STEP_END_HOOKS, step_calls_step_end
 
 
 class MGPUMixin:
@@ -47,7 +47,7 @@ def _calling_step_end(step: str, method: Callable[..., Any]) -> Callable[..., An
         output = method(self, *args, **kwargs)
         # Only the outermost override calls the hook (a subclass's step may call super()'s), and only when no
         # strategy or doctor does it instead.
-        if getattr(type(self), step) is not step_then_step_end or self.__dict__.get(CALLER_RUNS_STEP_END, False):
+        if getattr(type(self), step) is not step_then_step_end or not step_calls_step_end():
             return output
         step_end = getattr(self, hook, None)
         return step_end(output) if callable(step_end) else output

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import threading
 import time
 from collections.abc import Callable
@@ -61,6 +62,31 @@ def test_grad_and_inference_mode_follow_the_caller() -> None:
     finally:
         apply.close()
     assert (no_grad, inference, grad) == ([False, False], [True, True], [True, True])
+
+
+_SETTING: contextvars.ContextVar[str] = contextvars.ContextVar("setting", default="unset")
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_context_variables_read_in_replicas_as_in_the_caller(replicas: int) -> None:
+    """As on one device, a replica reads the caller's context variables; what a replica thread sets stays in it."""
+
+    def read_then_set() -> str:
+        seen = _SETTING.get()
+        _SETTING.set(f"set in {threading.current_thread().name}")
+        return seen
+
+    apply = ParallelApply(3)
+    token = _SETTING.set("the caller's")
+    try:
+        seen = apply([read_then_set] * replicas, CPU3[:replicas])
+        again = apply([_SETTING.get] * 3, CPU3)
+    finally:
+        _SETTING.reset(token)
+        apply.close()
+    assert seen == ["the caller's"] * replicas
+    if replicas > 1:  # threads each run in a copy of the caller's context
+        assert again == ["the caller's"] * 3
 
 
 def test_the_callers_autocast_reaches_every_replica() -> None:

@@ -69,7 +69,7 @@ def run_reference(model: pl.LightningModule, batch: Any, seed: int) -> Run:
     run = _recording_step_end(module)
     seed_all(seed)
     try:
-        with caller_runs_step_end(module):
+        with caller_runs_step_end():
             output = call_step_end(module, "training_step", module.training_step(copy.deepcopy(batch), 0))
             _finish(module, output, run)
     except Exception as error:
@@ -89,7 +89,7 @@ def run_split(model: pl.LightningModule, batch: Any, seed: int, replicas: int, s
     wrapper = MGPUDataParallel(module, [torch.device("cpu")] * replicas, sync_batchnorm=sync_batchnorm)
     seed_all(seed)
     try:
-        with caller_runs_step_end(module):
+        with caller_runs_step_end():
             output = run_replica_step(wrapper, module, "training_step", (copy.deepcopy(batch), 0), {})
             _finish(module, output, run)
     except Exception as error:

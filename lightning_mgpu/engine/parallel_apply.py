@@ -1,8 +1,9 @@
-"""Run one call per replica, each in its own thread, with the caller's autograd and device state."""
+"""Run one call per replica, each in its own thread, with the caller's autograd and device state and its context."""
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -48,7 +49,8 @@ class ParallelApply:
         """Run ``calls[i]`` on ``devices[i]`` in thread ``i`` and return the results in order.
 
         Grad mode, inference mode and the current CUDA stream are thread-local in torch, so they are captured here
-        and re-entered in each thread; ``context()`` adds caller-specific state (autocast, for example).
+        and re-entered in each thread; ``context()`` adds caller-specific state (autocast, for example). Each call
+        runs in a copy of the caller's ``contextvars`` context, so context variables read as they do in the caller.
         If replicas raise, the exception of the lowest-numbered one is re-raised here, with its own traceback and
         a note that names the replica and its device. A replica whose thread dies (an exception escaping the
         thread's own loop, from a profiler hook say) raises ``ReplicaThreadDied`` here instead of leaving the
@@ -69,7 +71,7 @@ class ParallelApply:
         workers = self._ensure_workers()
         step = _Step(count)
         for index in range(count):
-            job = _Job(step, index, calls[index], devices[index], state, context)
+            job = _Job(step, index, calls[index], devices[index], state, context, contextvars.copy_context())
             if not workers[index].submit(job):
                 step.settle(index, None, workers[index].died_error(index))
         step.wait(workers)
@@ -149,7 +151,7 @@ class _Step:
 class _Job:
     """One replica's share of a call, as handed to its thread."""
 
-    __slots__ = ("call", "context", "device", "index", "state", "step")
+    __slots__ = ("call", "context", "device", "index", "state", "step", "variables")
 
     def __init__(
         self,
@@ -159,6 +161,7 @@ class _Job:
         device: torch.device,
         state: _CallerState,
         context: ContextFactory | None,
+        variables: contextvars.Context,
     ) -> None:
         self.step = step
         self.index = index
@@ -166,10 +169,11 @@ class _Job:
         self.device = device
         self.state = state
         self.context = context
+        self.variables = variables
 
     def run(self) -> None:
         try:
-            result = _run_replica(self.call, self.index, self.device, self.state, self.context)
+            result = self.variables.run(_run_replica, self.call, self.index, self.device, self.state, self.context)
         except BaseException as error:  # noqa: BLE001 - handed to the caller, which re-raises it
             self.step.settle(self.index, None, error)
         else:

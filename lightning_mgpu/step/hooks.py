@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
 from torch import nn
 
-CALLER_RUNS_STEP_END = "_mgpu_caller_runs_step_end"
+_CALLER_RUNS_STEP_END: ContextVar[bool] = ContextVar("lightning_mgpu_caller_runs_step_end", default=False)
 
 STEP_END_HOOKS = {
     "training_step": "training_step_end",
@@ -34,29 +35,23 @@ def call_step_end(module: nn.Module, step: str, output: Any) -> Any:
     return getattr(module, STEP_END_HOOKS[step])(output)
 
 
-def claim_step_end(module: nn.Module) -> None:
-    """From now on the caller (a strategy) runs ``module``'s ``*_step_end`` hooks, not ``MGPUMixin``."""
-    module.__dict__[CALLER_RUNS_STEP_END] = True
-
-
-def release_step_end(module: nn.Module) -> None:
-    """Hand the ``*_step_end`` hooks back to ``MGPUMixin``, for any other strategy that runs the module later."""
-    module.__dict__.pop(CALLER_RUNS_STEP_END, None)
-
-
 @contextmanager
-def caller_runs_step_end(module: nn.Module) -> Iterator[None]:
-    """Within this context, whoever calls ``module``'s steps calls the ``*_step_end`` hooks (strategy or doctor).
+def caller_runs_step_end() -> Iterator[None]:
+    """Within this context, whoever calls a step also calls its ``*_step_end`` hook (a strategy, the doctor).
 
-    ``MGPUMixin`` calls the hooks itself after each step otherwise, which is what runs them under Lightning's own
-    strategies.
+    ``MGPUMixin``'s steps call their hook themselves outside it, which is what runs the hooks under Lightning's own
+    strategies. The context reaches ``mgpu_dp``'s replica threads, which run in a copy of their caller's context.
     """
-    previous = module.__dict__.get(CALLER_RUNS_STEP_END, False)
-    claim_step_end(module)
+    token = _CALLER_RUNS_STEP_END.set(True)
     try:
         yield
     finally:
-        module.__dict__[CALLER_RUNS_STEP_END] = previous
+        _CALLER_RUNS_STEP_END.reset(token)
+
+
+def step_calls_step_end() -> bool:
+    """Whether a step that ``MGPUMixin`` wrapped calls its own ``*_step_end`` hook here (no caller does)."""
+    return not _CALLER_RUNS_STEP_END.get()
 
 
 def find_loss(output: Any) -> tuple[str | None, Any]:

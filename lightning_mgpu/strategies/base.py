@@ -1,4 +1,4 @@
-"""What the two lightning_mgpu strategies share: device and model checks, ``*_step_end`` ownership, exact resume."""
+"""What the two lightning_mgpu strategies share: device and model checks, exact resume, a module left as given."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning_mgpu._compat import drop_forward_left_by_lightning
 from lightning_mgpu.checks import check_devices_exist, check_model, report
 from lightning_mgpu.resume import ExactResume
-from lightning_mgpu.step.hooks import claim_step_end, release_step_end
 
 
 class MGPUStrategyMixin(ExactResume):
@@ -37,19 +36,16 @@ class MGPUStrategyMixin(ExactResume):
         strategy_registry.register(cls.strategy_name, cls, description=cls.__name__, override=True)
 
     def _prepare_module(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        """Check the model for multi-GPU traps before fitting, and take over calling its ``*_step_end`` hooks."""
+        """Check the model for multi-GPU traps before fitting."""
         if trainer.state.fn == TrainerFn.FITTING:
             report(check_model(module), self.strategy_name)
-        claim_step_end(module)
 
     @staticmethod
     def _release_module(module: pl.LightningModule | None) -> None:
-        """Hand ``*_step_end`` back to ``MGPUMixin``, so the module runs under any other strategy afterwards.
+        """Leave the module as it was given, so it runs under any other strategy afterwards.
 
         Lightning's DDP strategy routes each step through the module's ``forward`` and, undoing that, leaves the
-        class's own ``forward`` behind as an attribute of the module; that attribute is removed too.
+        class's own ``forward`` behind as an attribute of the module; that attribute is removed.
         """
-        if module is None:
-            return
-        release_step_end(module)
-        drop_forward_left_by_lightning(module)
+        if module is not None:
+            drop_forward_left_by_lightning(module)

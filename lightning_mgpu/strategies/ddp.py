@@ -31,7 +31,7 @@ from lightning_mgpu._compat import (
 from lightning_mgpu.engine.reduce import reduce_op_name
 from lightning_mgpu.errors import ConfigurationError
 from lightning_mgpu.step.health import StepHealth, stop_iteration_is_an_error
-from lightning_mgpu.step.hooks import call_step_end
+from lightning_mgpu.step.hooks import call_step_end, caller_runs_step_end
 from lightning_mgpu.strategies.base import MGPUStrategyMixin
 from lightning_mgpu.strategies.launch_checks import check_launch_matches_trainer
 from lightning_mgpu.strategies.samplers import EvenlyShardedSampler, is_padding_sampler
@@ -232,7 +232,7 @@ class MGPUDDPStrategy(MGPUStrategyMixin, LaunchCheck, LightningDDPStrategy):
         if self.world_size > 1 and self._health.wants("batchnorm"):
             assert self.lightning_module is not None
             self._health.check_batchnorm(self.lightning_module, "each rank's batch", self._batchnorm_fix())
-        with stop_iteration_is_an_error("training_step"):
+        with stop_iteration_is_an_error("training_step"), caller_runs_step_end():
             output = self._step_end("training_step", super().training_step(*args, **kwargs))
         if self._uneven is not None:
             self._uneven.undo_padding_step(self._trainer())
@@ -241,17 +241,17 @@ class MGPUDDPStrategy(MGPUStrategyMixin, LaunchCheck, LightningDDPStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with stop_iteration_is_an_error("validation_step"):
+        with stop_iteration_is_an_error("validation_step"), caller_runs_step_end():
             return self._step_end("validation_step", self._evaluate("validation_step", args, kwargs))
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with stop_iteration_is_an_error("test_step"):
+        with stop_iteration_is_an_error("test_step"), caller_runs_step_end():
             return self._step_end("test_step", self._evaluate("test_step", args, kwargs))
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with stop_iteration_is_an_error("predict_step"):
+        with stop_iteration_is_an_error("predict_step"), caller_runs_step_end():
             return self._step_end("predict_step", super().predict_step(*args, **kwargs))
 
     @override

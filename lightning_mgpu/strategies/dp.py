@@ -20,7 +20,7 @@ from lightning_mgpu.engine.reduce import reduce_op_name
 from lightning_mgpu.engine.scatter import check_chunk_weight_count, check_chunk_weights
 from lightning_mgpu.errors import ConfigurationError
 from lightning_mgpu.step.health import StepHealth, stop_iteration_is_an_error
-from lightning_mgpu.step.hooks import call_step_end
+from lightning_mgpu.step.hooks import call_step_end, caller_runs_step_end
 from lightning_mgpu.step.replicas import mark_outside_replicas, run_replica_step
 from lightning_mgpu.strategies.base import MGPUStrategyMixin
 
@@ -290,7 +290,7 @@ class MGPUDPStrategy(MGPUStrategyMixin, ParallelStrategy):
         if module is None or wrapper is None or (split and not isinstance(wrapper, MGPUDataParallel)):
             raise ConfigurationError(f"{step} was called before the mgpu_dp strategy was set up by a Trainer.")
         if not split:  # nothing to split
-            with stop_iteration_is_an_error(step):
+            with stop_iteration_is_an_error(step), caller_runs_step_end():
                 return self._module_step(module, step, precision_context, args, kwargs)
         assert isinstance(wrapper, MGPUDataParallel)
         if step == "training_step" and not self.sync_batchnorm and self._health.wants("batchnorm"):
@@ -299,7 +299,7 @@ class MGPUDPStrategy(MGPUStrategyMixin, ParallelStrategy):
                 "each replica's chunk",
                 "This is sync_batchnorm=False; leave it at its default (True) to train exactly.",
             )
-        with stop_iteration_is_an_error(step):
+        with stop_iteration_is_an_error(step), caller_runs_step_end():
             return run_replica_step(wrapper, module, step, args, kwargs, precision_context, self._health)
 
     def _module_step(
