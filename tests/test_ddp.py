@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -294,6 +295,53 @@ def test_registration_leaves_lightnings_own_ddp_names_alone() -> None:
     assert StrategyRegistry["ddp_spawn"]["strategy"] is L.pytorch.strategies.DDPStrategy
 
 
+_LIGHTNING_DDP_NAMES = [
+    "ddp_spawn",
+    "ddp_fork",
+    "ddp_notebook",
+    "ddp_find_unused_parameters_false",
+    "ddp_find_unused_parameters_true",
+    "ddp_spawn_find_unused_parameters_false",
+    "ddp_spawn_find_unused_parameters_true",
+    "ddp_fork_find_unused_parameters_false",
+    "ddp_fork_find_unused_parameters_true",
+    "ddp_notebook_find_unused_parameters_false",
+    "ddp_notebook_find_unused_parameters_true",
+]
+
+
+@pytest.mark.parametrize("lightning_name", _LIGHTNING_DDP_NAMES)
+def test_each_of_lightnings_ddp_names_has_an_mgpu_counterpart_with_its_settings(lightning_name: str) -> None:
+    def built(name: str) -> L.pytorch.strategies.DDPStrategy:
+        return L.Trainer(accelerator="cpu", devices=2, strategy=name, logger=False).strategy
+
+    ours, lightnings = built(f"mgpu_{lightning_name}"), built(lightning_name)
+    assert type(ours) is MGPUDDPStrategy
+    assert ours._start_method == lightnings._start_method
+    unused = "find_unused_parameters"
+    assert ours._ddp_kwargs.get(unused, False) == lightnings._ddp_kwargs.get(unused, False)  # DDP's default: False
+
+
+class _UnusedBranch(Regressor):
+    """Has a layer no step uses: DDP's reducer fails on it unless told to look for unused parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = torch.nn.Linear(4, 1)
+
+
+@pytest.mark.slow
+def test_mgpu_ddp_spawn_find_unused_parameters_true_trains_a_model_with_an_unused_layer(tmp_path: Path) -> None:
+    model = _UnusedBranch()
+    before = parameters(model)
+    run = trainer(tmp_path, devices=2, max_epochs=2, strategy="mgpu_ddp_spawn_find_unused_parameters_true")
+    run.fit(model, loader(regression_data(), 4))
+    after = parameters(model)  # the spawned rank 0's weights, brought back to this process
+    assert torch.isfinite(run.callback_metrics["train_loss"])
+    assert not torch.equal(after["net.0.weight"], before["net.0.weight"])
+    assert torch.equal(after["unused.weight"], before["unused.weight"])
+
+
 @pytest.mark.parametrize("strategy", ["mgpu_ddp", "instance"])
 def test_trainer_accepts_the_name_and_an_instance(strategy: str) -> None:
     chosen = MGPUDDPStrategy(find_unused_parameters=True) if strategy == "instance" else strategy
@@ -305,8 +353,19 @@ def test_trainer_accepts_the_name_and_an_instance(strategy: str) -> None:
 def test_cuda_devices_the_machine_lacks_fail_before_any_process_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     devices = [torch.device("cuda", 0), torch.device("cuda", 1)]
-    with pytest.raises(lightning_mgpu.ConfigurationError, match=r"mgpu_ddp was asked .* has 0 CUDA.*accelerator='cpu'"):
+    with pytest.raises(lightning_mgpu.ConfigurationError) as caught:
         MGPUDDPStrategy(parallel_devices=devices)
+    assert caught.value.setting == "Trainer.devices"
+
+
+def test_a_configuration_error_keeps_its_setting_when_pickled() -> None:
+    sent = lightning_mgpu.ConfigurationError("num_nodes=2 is refused", setting="Trainer.num_nodes")
+    error = pickle.loads(pickle.dumps(sent))
+    assert (type(error), str(error), error.setting) == (
+        lightning_mgpu.ConfigurationError,
+        str(sent),
+        "Trainer.num_nodes",
+    )
 
 
 def test_parse_local_rank_accepts_both_spellings(monkeypatch: pytest.MonkeyPatch) -> None:

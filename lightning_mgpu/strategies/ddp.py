@@ -95,6 +95,15 @@ def _release_process_group() -> None:
         time.sleep(_EXIT_GRACE_S)
 
 
+def lightning_ddp_names(strategy_registry: Any) -> dict[str, dict[str, Any]]:
+    """Lightning's registered names for its own ``DDPStrategy`` (``ddp``, ``ddp_spawn``, ...), with their settings."""
+    return {
+        name: dict(strategy_registry[name]["init_params"])
+        for name in strategy_registry.available_strategies()
+        if name.startswith("ddp") and strategy_registry[name]["strategy"] is LightningDDPStrategy
+    }
+
+
 class MGPUDDPStrategy(MGPUStrategyMixin, LaunchCheck, LightningDDPStrategy):
     """One process per device, gradients all-reduced by ``DistributedDataParallel``, with the classic recipe built in.
 
@@ -186,6 +195,23 @@ class MGPUDDPStrategy(MGPUStrategyMixin, LaunchCheck, LightningDDPStrategy):
         self._uneven: UnevenTraining | None = None
         self.uneven_batches = uneven_batches
         self._health = StepHealth(self.strategy_name)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``mgpu_ddp`` and, for each of Lightning's DDP names, its ``mgpu_`` counterpart with its settings.
+
+        ``mgpu_ddp_spawn`` is to ``mgpu_ddp`` what ``ddp_spawn`` is to ``ddp``, and so on for every name Lightning's
+        registry gives its ``DDPStrategy`` (``start_method``, ``find_unused_parameters``), read from that registry
+        so that the names always mean what Lightning's mean.
+        """
+        super().register_strategies(strategy_registry)
+        for name, settings in lightning_ddp_names(strategy_registry).items():
+            if name != "ddp":
+                described = ", ".join(f"{key}={value!r}" for key, value in settings.items())
+                strategy_registry.register(
+                    f"mgpu_{name}", cls, description=f"{cls.__name__}({described})", override=True, **settings
+                )
 
     @property
     def uneven_batches(self) -> bool:
