@@ -57,7 +57,8 @@ def check_devices_exist(devices: Sequence[object], strategy_name: str) -> None:
         raise ConfigurationError(
             f"{strategy_name} was asked for CUDA devices {sorted(set(cuda_indices))}, but this machine has"
             f" {available} CUDA device(s), so {missing} do not exist. Ask for at most devices={available}, or use"
-            " accelerator='cpu' to run on the CPU."
+            " accelerator='cpu' to run on the CPU.",
+            setting="Trainer.devices",
         )
 
 
@@ -93,7 +94,8 @@ def check_gpus_exist(accelerator: object, devices: object) -> None:
     raise ConfigurationError(
         f"trainer.accelerator {accelerator!r} with trainer.devices {devices!r} asks for {wanted}, but this machine"
         f" has {available} CUDA device(s). Run on the CPU with --trainer.accelerator cpu (with --trainer.devices 2"
-        f" for 2 virtual replicas or processes), or use a CPU config such as configs/quickstart.yaml.{fewer}"
+        f" for 2 virtual replicas or processes), or use a CPU config such as configs/quickstart.yaml.{fewer}",
+        setting="Trainer.accelerator",
     )
 
 
@@ -190,7 +192,8 @@ def allow_plain_tensors(module: nn.Module, *names: str) -> None:
             problems.append(f"{', '.join(map(repr, registered))} is a registered parameter, buffer or submodule")
         raise ConfigurationError(
             f"allow_plain_tensors({type(module).__name__}, ...): {'; '.join(problems)}. Name the attributes that"
-            " hold plain tensors, after assigning them: allow_plain_tensors(self, 'anchors')."
+            " hold plain tensors, after assigning them: allow_plain_tensors(self, 'anchors').",
+            setting="allow_plain_tensors.names",
         )
     allowed = vars(module).get(_PLAIN_TENSORS_ALLOWED, frozenset())
     module.__dict__[_PLAIN_TENSORS_ALLOWED] = allowed | frozenset(names)
@@ -244,7 +247,8 @@ def report(findings: list[Finding], strategy_name: str) -> None:
     if errors:
         listing = "\n".join(f"- {finding.message}" for finding in errors)
         raise ModelCheckError(
-            f"{strategy_name} found {len(errors)} problem(s) in the model before training:\n{listing}"
+            f"{strategy_name} found {len(errors)} problem(s) in the model before training:\n{listing}",
+            findings=errors,
         )
 
 

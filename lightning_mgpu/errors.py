@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lightning_mgpu.checks import Finding
 
 
 class BatchSplitError(ValueError):
@@ -40,8 +44,38 @@ class GatherError(TypeError):
 
 
 class ConfigurationError(ValueError):
-    """A strategy was configured in a way that cannot work."""
+    """A strategy was configured in a way that cannot work.
+
+    Attributes:
+        setting: the argument, attribute or hook to change, as ``"Owner.name"``, so that code can tell the errors
+            apart without reading the message: ``name`` spelt as it is written in code, ``Owner`` the class it is
+            passed to (``"Trainer.devices"``, ``"MGPUDDPStrategy.model_averaging_period"``,
+            ``"MGPUDataParallel.dim"``, ``"DataLoader.sampler"``), ``LightningModule`` for the model's own attributes
+            and hooks (``"LightningModule.training_step"``), or the function it is passed to
+            (``"allow_plain_tensors.names"``, ``"torch.compile.fullgraph"``). It is the setting whose value the
+            message refuses; where the message refuses a combination, the one its first fix changes; where the
+            processes a launcher started disagree with the Trainer, the Trainer's (``num_nodes`` where only the
+            nodes disagree, else ``devices``). ``None`` where the error names no setting.
+    """
+
+    def __init__(self, message: str, setting: str | None = None) -> None:
+        super().__init__(message)
+        self.setting = setting
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (str(self), self.setting), self.__dict__
 
 
 class ModelCheckError(ValueError):
-    """The model has a multi-GPU trap that would make training wrong; the message lists each one with its fix."""
+    """The model has a multi-GPU trap that would make training wrong; the message lists each one with its fix.
+
+    Attributes:
+        findings: the error-level findings the message lists, in its order, each with its check and attribute path.
+    """
+
+    def __init__(self, message: str, findings: Sequence[Finding] = ()) -> None:
+        super().__init__(message)
+        self.findings = list(findings)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (str(self), self.findings), self.__dict__

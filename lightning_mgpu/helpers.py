@@ -40,7 +40,8 @@ def device_of(related: torch.Tensor | nn.Module | torch.device | str) -> torch.d
             return tensor.device
         raise ConfigurationError(
             f"{type(related).__name__} holds no parameter, buffer or tensor, so it has no device to move data to."
-            " Pass the tensor the data goes with instead: to_device_of(obj, x)."
+            " Pass the tensor the data goes with instead: to_device_of(obj, x).",
+            setting="to_device_of.related",
         )
     raise TypeError(f"to_device_of needs a tensor, a module or a device as `related`, not {type(related).__name__}")
 
@@ -78,7 +79,8 @@ def register_parameters(module: nn.Module, prefix: str, params: Iterable[torch.T
         if hasattr(module, name):
             raise ConfigurationError(
                 f"register_parameters: {type(module).__name__} already has an attribute {name!r}; choose another"
-                " prefix."
+                " prefix.",
+                setting="register_parameters.prefix",
             )
         parameter = tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor)
         module.register_parameter(name, parameter)

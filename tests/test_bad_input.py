@@ -1,10 +1,11 @@
 """Bad input that no other test provokes: each row fails early with the cause and the fix, or warns.
 
 One row per case: how to provoke it, what must be raised or warned, and a pattern that the message must match
-(naming the cause and the fix). A case that another test already provokes and asserts by its message is not
-repeated here; ``COVERED_ELSEWHERE`` says where each of those is, and a test checks by parsing those files (without
-importing them) that the named tests still exist. Some rows stay although their cause is asserted elsewhere: those
-other tests do not assert the fix that the row does.
+(naming the cause and the fix). A case that another test already provokes and asserts is not repeated here; that test
+asserts the message, or the error's attributes where a third test checks the wording of the same message.
+``COVERED_ELSEWHERE`` says where each of those is, and a test checks by parsing those files (without importing them)
+that the named tests still exist. Some rows stay although their error's facts are asserted elsewhere: those other
+tests assert the error's attributes, and the row is the one check of the message's wording.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def _fit_empty() -> None:
 
 
 CASES: dict[str, Case] = {
-    # Cause asserted in tests/test_gather.py::test_replicas_with_different_keys_are_refused, the fix only here.
+    # Path and replica asserted in tests/test_gather.py::test_replicas_with_different_keys_are_refused.
     "different keys per replica": Case(
         lambda: _fit_dp(_returns(lambda self, batch: {f"k{self.replica_index}": batch[0]})), GatherError, None,
         r"replica 1 has keys \['k1'\] but replica 0 returned \['k0'\].*same keys",
@@ -79,17 +80,17 @@ CASES: dict[str, Case] = {
         lambda: _fit_dp(_returns(lambda self, batch: batch[0][:, 0] if self.replica_index else batch[0].sum())),
         GatherError, None, r"0-dim in some replicas and not in others.*same shape",
     ),
-    # Cause asserted in tests/test_gather.py::test_mixed_none_and_tensor_is_refused, the fix only here.
+    # Path and replica asserted in tests/test_gather.py::test_mixed_none_and_tensor_is_refused.
     "None in one replica only": Case(
         lambda: _fit_dp(_returns(lambda self, batch: None if self.replica_index else batch[0])), GatherError, None,
         r"Tensor .* in replica 0 but a NoneType .* in replica 1.*same structure",
     ),
-    # Cause asserted in tests/test_scatter.py::test_a_0_dim_tensor_in_the_batch_is_refused, the fix only here.
+    # Path asserted in tests/test_scatter.py::test_a_0_dim_tensor_in_the_batch_is_refused.
     "0-dim tensor in the batch": Case(
         lambda: scatter((torch.zeros(4), torch.tensor(2.0)), [torch.device("cpu")] * 2), BatchSplitError, None,
         r"batch\[1\] is a 0-dim tensor.*leading batch dimension",
     ),
-    # Cause asserted in tests/test_scatter.py::test_an_empty_batch_is_refused, the fix only here.
+    # Path asserted in tests/test_scatter.py::test_an_empty_batch_is_refused.
     "empty batch": Case(
         lambda: scatter(torch.zeros(0, 4), [torch.device("cpu")] * 2), BatchSplitError, None,
         r"batch is empty.*Drop empty batches",
@@ -113,7 +114,7 @@ CASES: dict[str, Case] = {
     ),
 }  # fmt: skip
 
-# The other bad-input cases: where each is provoked and its message asserted ("file::test").
+# The other bad-input cases: where each is provoked and asserted ("file::test").
 COVERED_ELSEWHERE = {
     "string output": "tests/test_gather.py::test_a_string_leaf_names_the_key_path_replica_and_fix",
     "object output (the same check as a string)": (

@@ -80,18 +80,21 @@ def test_a_dataclass_in_one_replica_and_a_tensor_in_another_is_refused() -> None
     class Result:
         value: torch.Tensor
 
-    with pytest.raises(GatherError, match=r"output is a Tensor .* in replica 0 but a dataclass Result in replica 1"):
+    with pytest.raises(GatherError) as caught:
         gather([torch.ones(1), Result(torch.ones(1))], CPU)
+    assert (caught.value.path, caught.value.replica) == ("output", 1)
 
 
 def test_replicas_with_different_keys_are_refused() -> None:
-    with pytest.raises(GatherError, match=r"replica 1 has keys \['b'\] but replica 0 returned \['a'\]"):
+    with pytest.raises(GatherError) as caught:
         gather([{"a": torch.ones(1)}, {"b": torch.ones(1)}], CPU)
+    assert (caught.value.path, caught.value.replica) == ("output", 1)
 
 
 def test_mixed_none_and_tensor_is_refused() -> None:
-    with pytest.raises(GatherError, match=r"NoneType .* in replica 0 but a Tensor .* in replica 1"):
+    with pytest.raises(GatherError) as caught:
         gather([None, torch.ones(1)], CPU)
+    assert (caught.value.path, caught.value.replica) == ("output", 1)
 
 
 def test_shapes_that_differ_beyond_dim_0_are_refused() -> None:
@@ -248,8 +251,9 @@ def test_dataclasses_of_different_types_are_refused() -> None:
     class B:
         x: torch.Tensor
 
-    with pytest.raises(GatherError, match=r"output is a dataclass A in replica 0 but a dataclass B in replica 1"):
+    with pytest.raises(GatherError) as caught:
         gather([A(torch.ones(1)), B(torch.ones(1))], CPU)
+    assert (caught.value.path, caught.value.replica) == ("output", 1)
 
 
 @pytest.mark.parametrize(

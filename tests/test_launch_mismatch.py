@@ -78,56 +78,58 @@ AGREEING: dict[str, tuple[str, dict[str, str], int, int]] = {
     "an environment whose variables are not known here": ("kubeflow", {"WORLD_SIZE": "7"}, 2, 1),
 }  # fmt: skip
 
-MISMATCHED: dict[str, tuple[str, dict[str, str], int, int, str]] = {
+MISMATCHED: dict[str, tuple[str, dict[str, str], int, int, str, str]] = {
     "torchrun started fewer processes": (
-        "torchrun", _torchrun(2, 2), 3, 1,
+        "torchrun", _torchrun(2, 2), 3, 1, "Trainer.devices",
         r"torchrun started 2 processes \(WORLD_SIZE=2\) but Trainer\(devices=3, num_nodes=1\) expects 3\n"
         r".*torchrun started 2 processes per node \(LOCAL_WORLD_SIZE=2\) .* expects 3 per node"
         r"(.|\n)*Fix: start torchrun with --nproc-per-node 3 --nnodes 1 .* or build the Trainer with devices=2,"
         r" num_nodes=1",
     ),
     "torchrun started more processes": (
-        "torchrun", _torchrun(2, 2), 1, 1,
+        "torchrun", _torchrun(2, 2), 1, 1, "Trainer.devices",
         r"torchrun started 2 processes \(WORLD_SIZE=2\) but Trainer\(devices=1, num_nodes=1\) expects 1",
     ),
     "torchrun with the right total but the wrong split over nodes": (
-        "torchrun", _torchrun(2, 1, GROUP_RANK="1"), 2, 1,
+        "torchrun", _torchrun(2, 1, GROUP_RANK="1"), 2, 1, "Trainer.devices",
         r"torchrun started 1 process per node \(LOCAL_WORLD_SIZE=1\) but Trainer\(devices=2, num_nodes=1\) expects 2"
         r" per node\n.*torchrun runs on 2 nodes \(WORLD_SIZE=2 / LOCAL_WORLD_SIZE=1\) but .* expects 1"
         r"(.|\n)*or build the Trainer with devices=1, num_nodes=2",
     ),
     "torchrun on two nodes, the Trainer told one": (
-        "torchrun", _torchrun(4, 2), 2, 1,
+        "torchrun", _torchrun(4, 2), 2, 1, "Trainer.num_nodes",
         r"torchrun started 4 processes \(WORLD_SIZE=4\) but Trainer\(devices=2, num_nodes=1\) expects 2\n"
         r".*torchrun runs on 2 nodes \(WORLD_SIZE=4 / LOCAL_WORLD_SIZE=2\) .* expects 1",
     ),
     "legacy launch with more processes than devices": (
-        "lightning", {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}, 1, 1,
+        "lightning", {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}, 1, 1, "Trainer.devices",
         r"the launcher started 2 processes \(WORLD_SIZE=2\) but Trainer\(devices=1, num_nodes=1\) expects 1\n"
         r".*this process has local rank 1 \(LOCAL_RANK=1\) but .* allows local rank 0 only",
     ),
     "legacy launch with fewer processes than devices": (
-        "lightning", {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}, 3, 1,
+        "lightning", {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}, 3, 1, "Trainer.devices",
         r"the launcher started 2 processes \(WORLD_SIZE=2\) but Trainer\(devices=3, num_nodes=1\) expects 3"
         r"(.|\n)*Fix: start 3 processes per node on 1 node \(WORLD_SIZE=3,",
     ),
     "hand-made launch on a second node the Trainer does not know": (
-        "lightning", {"LOCAL_RANK": "0", "NODE_RANK": "1"}, 2, 1,
+        "lightning", {"LOCAL_RANK": "0", "NODE_RANK": "1"}, 2, 1, "Trainer.num_nodes",
         r"this process has node rank 1 \(NODE_RANK=1\) but Trainer\(devices=2, num_nodes=1\) allows node rank 0 only",
     ),
     "SLURM started fewer tasks": (
-        "slurm", _slurm_vars(SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_NNODES="1"), 3, 1,
+        "slurm", _slurm_vars(SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_NNODES="1"), 3, 1, "Trainer.devices",
         r"SLURM started 2 processes \(SLURM_NTASKS=2\) but Trainer\(devices=3, num_nodes=1\) expects 3\n"
         r".*SLURM started 2 processes per node \(SLURM_NTASKS_PER_NODE=2\) .* expects 3 per node"
         r"(.|\n)*Fix: ask SLURM for --ntasks-per-node=3 --nodes=1 .* or build the Trainer with devices=2, num_nodes=1",
     ),
     "SLURM nodes with different task counts": (
         "slurm", _slurm_vars(SLURM_NTASKS="5", SLURM_TASKS_PER_NODE="2(x2),1", SLURM_NNODES="3"), 2, 3,
+        "Trainer.devices",
         r"SLURM started 5 processes \(SLURM_NTASKS=5\) .* expects 6\n"
         r".*SLURM started 2, 2 and 1 processes \(SLURM_TASKS_PER_NODE=2\(x2\),1\) .* expects 2 per node",
     ),
     "SLURM allocated more nodes": (
         "slurm", _slurm_vars(SLURM_NTASKS="4", SLURM_NTASKS_PER_NODE="2", SLURM_JOB_NUM_NODES="2"), 2, 1,
+        "Trainer.num_nodes",
         r"SLURM runs on 2 nodes \(SLURM_JOB_NUM_NODES=2\) but Trainer\(devices=2, num_nodes=1\) expects 1",
     ),
 }  # fmt: skip
@@ -149,9 +151,10 @@ def test_agreeing_counts_pass(case: str) -> None:
 @pytest.mark.usefixtures("no_launcher")
 @pytest.mark.parametrize("case", list(MISMATCHED))
 def test_each_mismatch_names_both_numbers_their_source_and_the_fix(case: str) -> None:
-    kind, environ, devices, num_nodes, message = MISMATCHED[case]
-    with pytest.raises(ConfigurationError, match=message):
+    kind, environ, devices, num_nodes, setting, message = MISMATCHED[case]
+    with pytest.raises(ConfigurationError, match=message) as caught:
         check_launch_matches_trainer(_environment(kind), devices, num_nodes, environ)
+    assert caught.value.setting == setting
 
 
 def test_without_a_cluster_environment_nothing_is_checked() -> None:
@@ -161,15 +164,19 @@ def test_without_a_cluster_environment_nothing_is_checked() -> None:
 def test_unreadable_variables_leave_their_rule_unchecked(no_launcher: pytest.MonkeyPatch) -> None:
     environ = _slurm_vars(SLURM_NTASKS="2", SLURM_TASKS_PER_NODE="weird", SLURM_NNODES="1", SLURM_LOCALID="1")
     check_launch_matches_trainer(_slurm(), 2, 1, environ)
-    with pytest.raises(ConfigurationError, match=r"local rank 1 \(SLURM_LOCALID=1\) .* allows local rank 0 only"):
+    with pytest.raises(
+        ConfigurationError, match=r"local rank 1 \(SLURM_LOCALID=1\) .* allows local rank 0 only"
+    ) as caught:
         check_launch_matches_trainer(_slurm(), 1, 2, {**environ, "SLURM_NTASKS": "x"})
+    assert caught.value.setting == "Trainer.devices"
 
 
 def test_the_trainer_raises_while_it_is_built_under_torchrun(no_launcher: pytest.MonkeyPatch) -> None:
     for name, value in _torchrun(2, 2, MASTER_ADDR="127.0.0.1", MASTER_PORT="1").items():
         no_launcher.setenv(name, value)
-    with pytest.raises(ConfigurationError, match=r"torchrun started 2 processes \(WORLD_SIZE=2\) .* expects 3"):
+    with pytest.raises(ConfigurationError) as caught:
         L.Trainer(accelerator="cpu", devices=3, strategy="mgpu_ddp", logger=False)
+    assert caught.value.setting == "Trainer.devices"
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="mgpu_ddp", logger=False)
     assert trainer.world_size == 2
 
@@ -177,8 +184,9 @@ def test_the_trainer_raises_while_it_is_built_under_torchrun(no_launcher: pytest
 def test_the_trainer_raises_while_it_is_built_under_slurm(no_launcher: pytest.MonkeyPatch) -> None:
     for name, value in _slurm_vars(SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_NNODES="1").items():
         no_launcher.setenv(name, value)
-    with pytest.raises(ConfigurationError, match=r"SLURM started 2 processes \(SLURM_NTASKS=2\) .* expects 1"):
+    with pytest.raises(ConfigurationError) as caught:
         L.Trainer(accelerator="cpu", devices=1, strategy="mgpu_ddp", logger=False)
+    assert caught.value.setting == "Trainer.devices"
 
 
 def test_when_lightning_starts_the_processes_nothing_changes(no_launcher: pytest.MonkeyPatch) -> None:

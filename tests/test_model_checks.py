@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import pickle
 import pkgutil
 import re
 import socket
@@ -25,7 +26,7 @@ from torch import nn
 from torch.nn.utils import parametrizations, parametrize, prune
 
 from lightning_mgpu import ConfigurationError, ModelCheckError, allow_plain_tensors, check_model
-from lightning_mgpu.checks import report
+from lightning_mgpu.checks import Finding, report
 
 Factory = Callable[[], nn.Module]
 
@@ -135,10 +136,19 @@ def test_a_lazy_module_that_has_not_run_is_an_error_with_the_fix() -> None:
         ("error", "uninitialized-parameter", "parts.head.weight"),
         ("error", "uninitialized-parameter", "parts.head.bias"),
     ]
-    with pytest.raises(ModelCheckError, match=r"parts\.head\.weight` belongs to a lazy module.*nn\.Linear\(in_feat"):
+    with pytest.raises(
+        ModelCheckError, match=r"parts\.head\.weight` belongs to a lazy module.*nn\.Linear\(in_feat"
+    ) as caught:
         report(check_model(holder), "mgpu_dp")
+    assert [finding.where for finding in caught.value.findings] == ["parts.head.weight", "parts.head.bias"]
     holder.parts["head"](torch.zeros(3, 4))
     assert _found(holder) == []
+
+
+def test_a_model_check_error_keeps_its_findings_when_pickled() -> None:
+    findings = [Finding("error", "plain-container", "heads", "`heads` is a plain Python list")]
+    error = pickle.loads(pickle.dumps(ModelCheckError("mgpu_dp found 1 problem(s)", findings)))
+    assert (str(error), error.findings) == ("mgpu_dp found 1 problem(s)", findings)
 
 
 def test_a_user_subclass_of_lstm_keeps_the_rnn_bookkeeping_exempt() -> None:
@@ -487,6 +497,7 @@ def test_allowing_an_attribute_that_is_missing_or_registered_names_it() -> None:
     model = _Mistakes()
     with pytest.raises(ConfigurationError) as caught:
         allow_plain_tensors(model, "offest", "first", "constants")
+    assert caught.value.setting == "allow_plain_tensors.names"
     message = str(caught.value)
     assert "'offest' is not an attribute of it yet" in message
     assert "'first' is a registered parameter, buffer or submodule" in message
@@ -531,10 +542,15 @@ def test_a_users_additions_to_a_subclass_of_lstm_are_found() -> None:
         ("warning", "unregistered-tensor", "parts.encoder.temperature"),
     ]
     with (
-        pytest.raises(ModelCheckError, match=r"(?s)1 problem\(s\).*`parts.encoder.extra` is a plain Python list"),
+        pytest.raises(
+            ModelCheckError, match=r"(?s)1 problem\(s\).*`parts.encoder.extra` is a plain Python list"
+        ) as caught,
         pytest.warns(UserWarning, match=r"`parts.encoder.temperature` is a tensor"),
     ):
         report(check_model(model), "mgpu_dp")
+    assert [(finding.check, finding.where) for finding in caught.value.findings] == [
+        ("plain-container", "parts.encoder.extra")
+    ]
 
 
 def test_mistakes_deep_in_submodules_and_on_stock_instances_are_found() -> None:

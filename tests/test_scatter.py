@@ -73,8 +73,9 @@ def test_gradients_flow_back_through_the_split() -> None:
 
 
 def test_tensors_that_disagree_on_dim_0_name_each_path() -> None:
-    with pytest.raises(BatchSplitError, match=r"batch\['x'\]: 4, batch\['y'\]: 3.*one row per sample"):
+    with pytest.raises(BatchSplitError) as caught:
         scatter({"x": torch.zeros(4), "y": torch.zeros(3)}, CPU2)
+    assert caught.value.path == "batch['y']"
 
 
 def test_a_batch_without_tensors_is_refused() -> None:
@@ -83,13 +84,15 @@ def test_a_batch_without_tensors_is_refused() -> None:
 
 
 def test_an_empty_batch_is_refused() -> None:
-    with pytest.raises(BatchSplitError, match="batch is empty"):
+    with pytest.raises(BatchSplitError) as caught:
         scatter(torch.zeros(0, 3), CPU2)
+    assert caught.value.path == "batch"
 
 
 def test_a_0_dim_tensor_in_the_batch_is_refused() -> None:
-    with pytest.raises(BatchSplitError, match=r"batch\[1\] is a 0-dim tensor"):
+    with pytest.raises(BatchSplitError) as caught:
         scatter((torch.zeros(4), torch.tensor(1.0)), CPU2)
+    assert caught.value.path == "batch[1]"
 
 
 def test_a_plain_list_of_per_sample_tensors_is_split_by_items() -> None:
@@ -217,8 +220,9 @@ def test_a_pair_whose_tensors_disagree_at_the_top_is_refused_with_both_sizes_and
 
 
 def test_a_0_dim_tensor_outside_every_list_is_refused_by_its_path() -> None:
-    with pytest.raises(BatchSplitError, match=r"^batch\['scale'\] is a 0-dim tensor"):
+    with pytest.raises(BatchSplitError) as caught:
         scatter({"x": torch.zeros(2), "scale": torch.tensor(0.5)}, CPU2)
+    assert caught.value.path == "batch['scale']"
 
 
 def test_fields_and_namedtuples_are_always_split_field_by_field() -> None:
@@ -248,20 +252,21 @@ def test_rows_come_from_the_tensors_outside_lists_first() -> None:
 def test_tensors_of_the_nearest_level_that_disagree_are_refused_with_the_persample_fix() -> None:
     images = tuple(torch.zeros(3, 8, 8) for _ in range(2))
     targets = tuple({"boxes": torch.zeros(count, 4)} for count in (5, 1))
-    with pytest.raises(
-        BatchSplitError, match=r"batch\[0\]\[0\]: 3, .*batch\[1\]\[0\]\['boxes'\]: 5.*lightning_mgpu\.PerSample"
-    ):
+    with pytest.raises(BatchSplitError) as caught:
         scatter((images, targets), CPU2)
+    assert caught.value.path == "batch[1][0]['boxes']"
 
 
 def test_a_persample_with_the_wrong_length_is_refused() -> None:
-    with pytest.raises(BatchSplitError, match=r"batch\['x'\]: 3, batch\['names'\]: 2 items"):
+    with pytest.raises(BatchSplitError, match=r"batch\['x'\]: 3, batch\['names'\]: 2 items") as caught:
         scatter({"x": torch.arange(3), "names": PerSample(["a", "b"])}, CPU2)
+    assert caught.value.path == "batch['names']"
 
 
 def test_a_deeper_tensor_with_the_wrong_rows_is_named_with_the_rows_it_disagrees_with() -> None:
-    with pytest.raises(BatchSplitError, match=r"batch\['x'\]: 4, batch\['pair'\]\[1\]: 3"):
+    with pytest.raises(BatchSplitError, match=r"batch\['x'\]: 4, batch\['pair'\]\[1\]: 3") as caught:
         scatter({"x": torch.arange(4), "pair": [torch.zeros(4), torch.zeros(3)]}, CPU2)
+    assert caught.value.path == "batch['pair'][1]"
 
 
 def test_a_dataclass_with_init_false_fields_is_rebuilt_without_init() -> None:

@@ -328,34 +328,55 @@ def _sampled(sampler: Callable[[TensorDataset], Sampler[int]]) -> Callable[[], D
 
 
 def _assert_refused_before_the_first_step(
-    model: Regressor, data: object, tmp_path: Path, match: str, **overrides: Any
+    model: Regressor, data: object, tmp_path: Path, setting: str, match: str | None, **overrides: Any
 ) -> None:
+    """``match``, for the one case that checks a message's wording, also checks it offers turning uneven_batches off."""
     before = parameters(model)
     run_ = trainer(tmp_path, strategy=MGPUDDPStrategy(uneven_batches=True), max_epochs=2, **overrides)
     with pytest.raises(ConfigurationError, match=match) as refused:
         run_.fit(model, data)
-    assert "or leave uneven_batches off" in str(refused.value)
+    assert refused.value.setting == setting
+    if match is not None:
+        assert "or leave uneven_batches off" in str(refused.value)
     assert run_.global_step == 0
     assert_same_parameters(parameters(model), before)
 
 
 @pytest.mark.parametrize(
-    ("case", "match"),
+    ("case", "setting", "match"),
     [
-        ("accumulate", r"accumulate_grad_batches=2\): the last, smaller step .* Use accumulate_grad_batches=1"),
         (
-            "accumulation schedule",
+            "accumulate", "Trainer.accumulate_grad_batches",
+            r"accumulate_grad_batches=2\): the last, smaller step .* Use accumulate_grad_batches=1",
+        ),
+        (
+            "accumulation schedule", "Trainer.callbacks",
             r"GradientAccumulationScheduler\(\{0: 1, 1: 2\}\), which accumulates 2 batches per step from epoch 1:"
             r" the last, smaller step .* Remove the callback",
         ),
-        ("accumulation set by a callback", r"accumulate_grad_batches became 2 at epoch 0 \(a callback set it\)"),
-        ("manual", r"_Manual sets automatic_optimization = False.* Use automatic optimization"),
-        ("dataloader_iter", r"_Iterating.training_step takes dataloader_iter.* Take \(batch, batch_idx\)"),
-        ("sync_batchnorm", r"cannot train SyncBatchNorm layers \(net.1\).* Drop Trainer\(sync_batchnorm=True\)"),
-        ("SyncBatchNorm layer", r"cannot train SyncBatchNorm layers \(net.1\).* use GroupNorm or LayerNorm"),
+        (
+            "accumulation set by a callback", "Trainer.accumulate_grad_batches",
+            r"accumulate_grad_batches became 2 at epoch 0 \(a callback set it\)",
+        ),
+        (
+            "manual", "LightningModule.automatic_optimization",
+            r"_Manual sets automatic_optimization = False.* Use automatic optimization",
+        ),
+        (
+            "dataloader_iter", "LightningModule.training_step",
+            r"_Iterating.training_step takes dataloader_iter.* Take \(batch, batch_idx\)",
+        ),
+        (
+            "sync_batchnorm", "Trainer.sync_batchnorm",
+            r"cannot train SyncBatchNorm layers \(net.1\).* Drop Trainer\(sync_batchnorm=True\) or use GroupNorm or"
+            r" LayerNorm",
+        ),
+        ("SyncBatchNorm layer", "MGPUDDPStrategy.uneven_batches", None),
     ],
-)
-def test_training_that_cannot_be_exact_is_refused_before_the_first_step(tmp_path: Path, case: str, match: str) -> None:
+)  # fmt: skip
+def test_training_that_cannot_be_exact_is_refused_before_the_first_step(
+    tmp_path: Path, case: str, setting: str, match: str | None
+) -> None:
     model: Regressor = {"manual": _Manual, "dataloader_iter": _Iterating}.get(case, Regressor)()
     if case == "sync_batchnorm":
         model.net[1] = nn.BatchNorm1d(8)
@@ -367,80 +388,84 @@ def test_training_that_cannot_be_exact_is_refused_before_the_first_step(tmp_path
         "accumulation set by a callback": {"callbacks": [_AccumulateFromEpochStart()]},
         "sync_batchnorm": {"sync_batchnorm": True},
     }.get(case, {})
-    _assert_refused_before_the_first_step(model, loader(regression_data(rows=10), 4), tmp_path, match, **overrides)
+    data = loader(regression_data(rows=10), 4)
+    _assert_refused_before_the_first_step(model, data, tmp_path, setting, match, **overrides)
 
 
 @pytest.mark.parametrize(
-    ("build", "given", "match"),
+    ("build", "given", "setting", "match"),
     [
         pytest.param(
-            _batch_sampled, "fit", r"draws its batches from batch_sampler=BatchSampler, .* Give the DataLoader"
-            r" batch_size=\.\.\. and shuffle=\.\.\. instead", id="batch_sampler",
+            _batch_sampled, "fit", "DataLoader.batch_size",
+            r"draws its batches from batch_sampler=BatchSampler, .* Give the DataLoader batch_size=\.\.\. and"
+            r" shuffle=\.\.\. instead", id="batch_sampler",
         ),
         pytest.param(
-            _batch_sampled, "train_dataloader", r"draws its batches from batch_sampler=BatchSampler",
+            _batch_sampled, "train_dataloader", "DataLoader.batch_size", None,
             id="batch_sampler from the hook",  # Lightning would train it with batch_size=1
         ),
         pytest.param(
-            lambda: DataLoader(regression_data(rows=10), batch_size=None), "fit",
+            lambda: DataLoader(regression_data(rows=10), batch_size=None), "fit", "DataLoader.batch_size",
             r"has batch_size=None, so every sample is a step of its own", id="batch_size=None",
         ),
         pytest.param(
-            _sampled(lambda data: SequentialSampler(range(10))), "train_dataloader",
+            _sampled(lambda data: SequentialSampler(range(10))), "train_dataloader", "DataLoader.sampler",
             r"sampler=SequentialSampler over another data source than the DataLoader's dataset, whose order the"
             r" plan cannot follow .* Give the DataLoader shuffle=True or shuffle=False instead of a sampler",
             id="SequentialSampler of another source",
         ),
         pytest.param(
-            _sampled(lambda data: RandomSampler(data, replacement=True)), "fit",
+            _sampled(lambda data: RandomSampler(data, replacement=True)), "fit", "DataLoader.sampler",
             r"sampler=RandomSampler with its own replacement=True, whose order", id="RandomSampler with replacement",
         ),
         pytest.param(
             _sampled(lambda data: RandomSampler(data, generator=torch.Generator().manual_seed(3))),
-            "train_dataloader", r"sampler=RandomSampler with its own generator, whose order",
-            id="RandomSampler with a generator",
+            "train_dataloader", "DataLoader.sampler", None, id="RandomSampler with a generator",
         ),
         pytest.param(
-            _sampled(lambda data: DistributedSampler(data, num_replicas=1, rank=0)), "fit",
-            r"sampler=DistributedSampler, whose order", id="DistributedSampler of one's own",
+            _sampled(lambda data: DistributedSampler(data, num_replicas=1, rank=0)), "fit", "DataLoader.sampler",
+            None, id="DistributedSampler of one's own",
         ),
         pytest.param(
-            _sampled(lambda data: _EveryOther(10)), "train_dataloader", r"sampler=_EveryOther, whose order",
+            _sampled(lambda data: _EveryOther(10)), "train_dataloader", "DataLoader.sampler", None,
             id="sampler of one's own",
         ),
         pytest.param(
-            lambda: DataLoader(_Stream(), batch_size=2), "fit",
+            lambda: DataLoader(_Stream(), batch_size=2), "fit", "DataLoader.dataset",
             r"_Stream is an IterableDataset, .* Use a map-style Dataset", id="IterableDataset",
         ),
         pytest.param(
-            _Batches, "fit", r"the training data is a _Batches. Give DataLoader\(dataset, batch_size=",
-            id="not a DataLoader",
+            _Batches, "fit", "Trainer.fit.train_dataloaders",
+            r"the training data is a _Batches. Give DataLoader\(dataset, batch_size=", id="not a DataLoader",
         ),
         pytest.param(
             lambda: [loader(regression_data(rows=10), 2), loader(regression_data(rows=6), 2)], "train_dataloader",
+            "Trainer.fit.train_dataloaders",
             r"plans every step from one training DataLoader, but the training data holds 2 \(DataLoader,"
             r" DataLoader\).* ConcatDataset", id="two DataLoaders",
         ),
         pytest.param(
             lambda: loader(regression_data(rows=10), 2), "use_distributed_sampler=False",
+            "Trainer.use_distributed_sampler",
             r"Lightning put none there \(the sampler is SequentialSampler\): Trainer\(use_distributed_sampler=False\)"
             r" keeps it out. Keep use_distributed_sampler=True", id="use_distributed_sampler=False",
         ),
     ],
 )  # fmt: skip
 def test_training_data_that_cannot_be_exact_is_refused_before_the_first_step(
-    tmp_path: Path, build: Callable[[], object], given: str, match: str
+    tmp_path: Path, build: Callable[[], object], given: str, setting: str, match: str | None
 ) -> None:
     if given == "train_dataloader":
-        _assert_refused_before_the_first_step(_from_hook(build), None, tmp_path, match)
+        _assert_refused_before_the_first_step(_from_hook(build), None, tmp_path, setting, match)
     else:
         overrides = {"use_distributed_sampler": False} if given == "use_distributed_sampler=False" else {}
-        _assert_refused_before_the_first_step(Regressor(), build(), tmp_path, match, **overrides)
+        _assert_refused_before_the_first_step(Regressor(), build(), tmp_path, setting, match, **overrides)
 
 
 def test_post_local_sgd_is_refused_when_the_strategy_is_built() -> None:
-    with pytest.raises(ConfigurationError, match="cannot be combined with model_averaging_period.* Remove"):
+    with pytest.raises(ConfigurationError, match="cannot be combined with model_averaging_period.* Remove") as caught:
         MGPUDDPStrategy(uneven_batches=True, model_averaging_period=4)
+    assert caught.value.setting == "MGPUDDPStrategy.model_averaging_period"
 
 
 @pytest.mark.parametrize(

@@ -276,5 +276,6 @@ def check_exchangeable(module: nn.Module, owner: str) -> None:
             f" during the forward, but {', '.join(f'`{path}`' for path in refused)} run(s) inside a module compiled"
             " with fullgraph=True, which cannot pause for the exchange. Compile without fullgraph=True (the"
             " exchange then runs between graphs), or normalise each chunk by its own statistics with"
-            " sync_batchnorm=False (which changes the results)."
+            " sync_batchnorm=False (which changes the results).",
+            setting="torch.compile.fullgraph",
         )

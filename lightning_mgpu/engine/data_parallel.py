@@ -102,7 +102,8 @@ class MGPUDataParallel(nn.Module):
             raise ConfigurationError(
                 f"MGPUDataParallel splits inputs and gathers outputs along dim 0 only, but got dim={dim}. Make the"
                 " batch the first dimension of the module's inputs and outputs (batch_first=True for RNNs and"
-                f" transformer layers, or x.movedim({dim}, 0) around the module's own code), then drop dim=."
+                f" transformer layers, or x.movedim({dim}, 0) around the module's own code), then drop dim=.",
+                setting="MGPUDataParallel.dim",
             )
         self.module = module
         self.devices = _resolve_devices(devices, device_ids)
@@ -274,7 +275,9 @@ class MGPUDataParallel(nn.Module):
                 if not _same_device(tensor.device, root):
                     raise ConfigurationError(
                         f"MGPUDataParallel needs the module on its first device, {root}, but {kind} {name!r} is on"
-                        f" {tensor.device}. Move the module there before calling the wrapper: module.to({str(root)!r})."
+                        f" {tensor.device}. Move the module there before calling the wrapper:"
+                        f" module.to({str(root)!r}).",
+                        setting="MGPUDataParallel.module",
                     )
 
     def _batch_statistics_exchange(self, method: str | None, replicas: list[nn.Module]) -> _Exchange | None:
@@ -306,14 +309,18 @@ def _resolve_devices(
     if devices is not None and device_ids is not None:
         raise ConfigurationError(
             "MGPUDataParallel got both devices= and device_ids=, which are one argument (device_ids is"
-            " torch.nn.DataParallel's name for it); pass only one."
+            " torch.nn.DataParallel's name for it); pass only one.",
+            setting="MGPUDataParallel.device_ids",
         )
     chosen = devices if devices is not None else device_ids
     if chosen is None:
         count = torch.cuda.device_count()
         return [torch.device("cuda", index) for index in range(count)] if count else [torch.device("cpu")]
     if not chosen:
-        raise ConfigurationError("MGPUDataParallel needs at least one device; pass devices=[torch.device('cpu')].")
+        raise ConfigurationError(
+            "MGPUDataParallel needs at least one device; pass devices=[torch.device('cpu')].",
+            setting="MGPUDataParallel.devices",
+        )
     return [_device(entry, chosen) for entry in chosen]
 
 
@@ -326,7 +333,8 @@ def _device(entry: DeviceLike, devices: Sequence[DeviceLike]) -> torch.device:
         raise ConfigurationError(
             f"MGPUDataParallel got devices {list(devices)!r}, and {entry!r} names an accelerator device by index, but"
             f" torch sees no accelerator ({error}). To run virtual replicas on the CPU, pass"
-            f" devices=[torch.device('cpu')] * {len(devices)}."
+            f" devices=[torch.device('cpu')] * {len(devices)}.",
+            setting="MGPUDataParallel.devices",
         ) from error
 
 

@@ -107,34 +107,40 @@ def check_chunk_weights(weights: Any, name: str = "chunk_weights") -> tuple[floa
     Checked once, where the option is given, so that a bad value stops the run before any step does.
     """
     example = f"{name}=[1, 2, 2, 2] gives the first of four devices half the rows of each of the others"
+    setting = f"{'MGPUDPStrategy' if name == 'device_weights' else 'MGPUDataParallel'}.{name}"
     if isinstance(weights, (str, bytes, Mapping)) or not isinstance(weights, Sequence):
         raise ConfigurationError(
             f"{name} must be a list with one number per device (the device's relative share of every batch), but"
-            f" got {weights!r}. For example, {example}."
+            f" got {weights!r}. For example, {example}.",
+            setting=setting,
         )
     checked: list[float] = []
     for index, weight in enumerate(weights):
         if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
             raise ConfigurationError(
                 f"{name}[{index}] is {weight!r}, but each weight must be a number: the device's relative share of"
-                f" every batch. For example, {example}."
+                f" every batch. For example, {example}.",
+                setting=setting,
             )
         value: float = int(weight) if isinstance(weight, numbers.Integral) else float(weight)
         if not math.isfinite(value):
             raise ConfigurationError(
                 f"{name}[{index}] is {value}, which is not a finite number, so no share of the batch can be worked"
-                f" out from it. Give every device a finite weight of 0 or more; for example, {example}."
+                f" out from it. Give every device a finite weight of 0 or more; for example, {example}.",
+                setting=setting,
             )
         if value < 0:
             raise ConfigurationError(
                 f"{name}[{index}] is {value}, but a device cannot take a negative share of the batch. Give every"
-                f" device a weight of 0 or more (0 gives it no rows); for example, {example}."
+                f" device a weight of 0 or more (0 gives it no rows); for example, {example}.",
+                setting=setting,
             )
         checked.append(value)
     if not any(checked):
         raise ConfigurationError(
             f"{name} is {list(weights)!r}: every weight is zero, so no device would get any rows. Give at least one"
-            f" device a positive weight; for example, {example}."
+            f" device a positive weight; for example, {example}.",
+            setting=setting,
         )
     return tuple(checked)
 
@@ -150,7 +156,8 @@ def check_chunk_weight_count(
     raise ConfigurationError(
         f"{name} has {len(weights)} weight(s), {list(weights)!r}, but {owner} has {len(devices)} device(s)"
         f" ({shown}){set_by}. Give one weight per device, in device order (the first is the root device), for"
-        f" example {name}={[1] * len(devices)} for an even split, or change the number of devices."
+        f" example {name}={[1] * len(devices)} for an even split, or change the number of devices.",
+        setting=f"{owner}.{name}",
     )
 
 

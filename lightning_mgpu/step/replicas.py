@@ -40,11 +40,14 @@ def run_replica_step(
     ``health``, when given, warns about idle devices and a non-finite training loss.
     """
     if not args:
-        raise ConfigurationError(f"mgpu_dp needs the batch as the first positional argument of {step}.")
+        raise ConfigurationError(
+            f"mgpu_dp needs the batch as the first positional argument of {step}.", setting=f"LightningModule.{step}"
+        )
     if isinstance(args[0], Iterator):
         raise ConfigurationError(
             f"{step} takes a dataloader iterator, which mgpu_dp cannot split across replicas. Define"
-            f" {step}(self, batch, batch_idx) instead, or use strategy='mgpu_ddp'."
+            f" {step}(self, batch, batch_idx) instead, or use strategy='mgpu_ddp'.",
+            setting=f"LightningModule.{step}",
         )
     scattered = wrapper.scatter_batch(args[0], args[1:], kwargs)
     replicas = wrapper.replicate(wrapper.module, scattered.devices)
@@ -134,7 +137,8 @@ def _reduce_loss(outputs: list[Any], sizes: list[int], gathered: Any) -> Any:
         if not (isinstance(weights, torch.Tensor) and weights.dim() == 1 and len(weights) == len(outputs)):
             raise ConfigurationError(
                 f"training_step's {LOSS_WEIGHT!r} must be a number or a 0-dim tensor (the count the loss is a mean"
-                f" over), but the replicas returned {weights!r}."
+                f" over), but the replicas returned {weights!r}.",
+                setting="LightningModule.training_step",
             )
         gathered["loss"] = weighted_mean(gathered["loss"], weights)
         gathered[LOSS_WEIGHT] = weights.sum()

@@ -171,7 +171,8 @@ class MGPUDDPStrategy(MGPUStrategyMixin, LaunchCheck, LightningDDPStrategy):
             raise ConfigurationError(
                 "MGPUDDPStrategy(uneven_batches=True) cannot be combined with model_averaging_period: post-local SGD"
                 " steps each rank on its own gradients, so the unequal last batches could not add up to one device's"
-                " step. Remove model_averaging_period, or leave uneven_batches off."
+                " step. Remove model_averaging_period, or leave uneven_batches off.",
+                setting="MGPUDDPStrategy.model_averaging_period",
             )
         forward_sync_buffers = kwargs.pop("forward_sync_buffers", None)  # torch 2.13's name for the same switch
         if forward_sync_buffers is not None:

@@ -141,7 +141,8 @@ class MGPUDPStrategy(MGPUStrategyMixin, ParallelStrategy):
         if num_nodes != 1:
             raise ConfigurationError(
                 f"strategy='mgpu_dp' runs in one process on one machine, but num_nodes={num_nodes} was requested."
-                " Use strategy='mgpu_ddp' to train on several machines, or set num_nodes=1."
+                " Use strategy='mgpu_ddp' to train on several machines, or set num_nodes=1.",
+                setting="Trainer.num_nodes",
             )
         self._num_nodes = num_nodes
 
@@ -149,7 +150,9 @@ class MGPUDPStrategy(MGPUStrategyMixin, ParallelStrategy):
     @override
     def root_device(self) -> torch.device:
         if not self.parallel_devices:
-            raise ConfigurationError("MGPUDPStrategy has no devices yet; pass it to a Trainer first.")
+            raise ConfigurationError(
+                "MGPUDPStrategy has no devices yet; pass it to a Trainer first.", setting="Trainer.strategy"
+            )
         return self.parallel_devices[0]
 
     @property
@@ -288,7 +291,9 @@ class MGPUDPStrategy(MGPUStrategyMixin, ParallelStrategy):
         wrapper = self.model
         split = self.num_replicas > 1
         if module is None or wrapper is None or (split and not isinstance(wrapper, MGPUDataParallel)):
-            raise ConfigurationError(f"{step} was called before the mgpu_dp strategy was set up by a Trainer.")
+            raise ConfigurationError(
+                f"{step} was called before the mgpu_dp strategy was set up by a Trainer.", setting="Trainer.strategy"
+            )
         if not split:  # nothing to split
             with stop_iteration_is_an_error(step), caller_runs_step_end():
                 return self._module_step(module, step, precision_context, args, kwargs)

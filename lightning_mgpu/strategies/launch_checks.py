@@ -53,32 +53,49 @@ def check_launch_matches_trainer(
         return
     trainer = f"Trainer(devices={devices}, num_nodes={num_nodes})"
     expected = devices * num_nodes
-    problems = []
+    problems: list[tuple[str, str | None]] = []  # each with the Trainer setting it concerns, if only one
     if launch.processes is not None and launch.processes[0] != expected:
         count, source = launch.processes
-        problems.append(f"{launch.name} started {_processes(count)} ({source}) but {trainer} expects {expected}")
+        problems.append(
+            (f"{launch.name} started {_processes(count)} ({source}) but {trainer} expects {expected}", None)
+        )
     if launch.per_node is not None and any(count != devices for count in launch.per_node[0]):
         counts, source = launch.per_node
         started = f"{_processes(counts[0])} per node" if len(set(counts)) == 1 else f"{_listed(counts)} processes"
-        problems.append(f"{launch.name} started {started} ({source}) but {trainer} expects {devices} per node")
+        problems.append(
+            (f"{launch.name} started {started} ({source}) but {trainer} expects {devices} per node", "Trainer.devices")
+        )
     if launch.nodes is not None and launch.nodes[0] != num_nodes:
         count, source = launch.nodes
-        problems.append(f"{launch.name} runs on {_plural(count, 'node')} ({source}) but {trainer} expects {num_nodes}")
+        problems.append(
+            (
+                f"{launch.name} runs on {_plural(count, 'node')} ({source}) but {trainer} expects {num_nodes}",
+                "Trainer.num_nodes",
+            )
+        )
     if launch.local_rank is not None and not 0 <= launch.local_rank[0] < devices:
         rank, source = launch.local_rank
         problems.append(
-            f"this process has local rank {rank} ({source}) but {trainer} allows {_ranks('local', devices)}"
+            (
+                f"this process has local rank {rank} ({source}) but {trainer} allows {_ranks('local', devices)}",
+                "Trainer.devices",
+            )
         )
     if launch.node_rank is not None and not 0 <= launch.node_rank[0] < num_nodes:
         rank, source = launch.node_rank
         problems.append(
-            f"this process has node rank {rank} ({source}) but {trainer} allows {_ranks('node', num_nodes)}"
+            (
+                f"this process has node rank {rank} ({source}) but {trainer} allows {_ranks('node', num_nodes)}",
+                "Trainer.num_nodes",
+            )
         )
     if problems:
-        lines = "".join(f"\n  - {problem}" for problem in problems)
+        concerned = {setting for _, setting in problems if setting is not None}
+        lines = "".join(f"\n  - {problem}" for problem, _ in problems)
         raise ConfigurationError(
             "The processes the launcher started do not match Trainer(devices=..., num_nodes=...); left alone,"
-            f" training would hang until the collective timeout or fail obscurely:{lines}\nFix: {launch.fix}"
+            f" training would hang until the collective timeout or fail obscurely:{lines}\nFix: {launch.fix}",
+            setting="Trainer.num_nodes" if concerned == {"Trainer.num_nodes"} else "Trainer.devices",
         )
 
 

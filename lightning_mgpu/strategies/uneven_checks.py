@@ -41,12 +41,14 @@ def check_uneven_training(trainer: pl.Trainer, module: pl.LightningModule, conve
         raise ConfigurationError(
             f"{_OWNER} weights each rank's loss inside Lightning's automatic optimization, but"
             f" {type(module).__name__} sets automatic_optimization = False, where the strategy cannot tell which"
-            f" backward is the step's loss. Use automatic optimization, {_OR_OFF}."
+            f" backward is the step's loss. Use automatic optimization, {_OR_OFF}.",
+            setting="LightningModule.automatic_optimization",
         )
     if "dataloader_iter" in inspect.signature(module.training_step).parameters:
         raise ConfigurationError(
             f"{_OWNER} needs to know which batch each step trains on, but {type(module).__name__}.training_step"
-            f" takes dataloader_iter and fetches batches itself. Take (batch, batch_idx), {_OR_OFF}."
+            f" takes dataloader_iter and fetches batches itself. Take (batch, batch_idx), {_OR_OFF}.",
+            setting="LightningModule.training_step",
         )
     synced = BatchNorm if converts_batchnorm_to_sync else torch.nn.SyncBatchNorm
     names = [name for name, layer in module.named_modules() if isinstance(layer, synced)]
@@ -54,7 +56,8 @@ def check_uneven_training(trainer: pl.Trainer, module: pl.LightningModule, conve
         raise ConfigurationError(
             f"{_OWNER} cannot train SyncBatchNorm layers ({', '.join(names)}): their batch statistics span every"
             " rank and would include the padding row of a rank left without real rows. Drop"
-            f" Trainer(sync_batchnorm=True) or use GroupNorm or LayerNorm, {_OR_OFF}."
+            f" Trainer(sync_batchnorm=True) or use GroupNorm or LayerNorm, {_OR_OFF}.",
+            setting="Trainer.sync_batchnorm" if converts_batchnorm_to_sync else "MGPUDDPStrategy.uneven_batches",
         )
 
 
@@ -69,7 +72,8 @@ def check_accumulation(trainer: pl.Trainer) -> None:
     if trainer.accumulate_grad_batches > 1:
         raise ConfigurationError(
             f"{_OWNER} cannot be combined with Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}):"
-            f" {why}. Use accumulate_grad_batches=1 with {larger}."
+            f" {why}. Use accumulate_grad_batches=1 with {larger}.",
+            setting="Trainer.accumulate_grad_batches",
         )
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, GradientAccumulationScheduler) and callback.going_to_accumulate_grad_batches():
@@ -78,7 +82,8 @@ def check_accumulation(trainer: pl.Trainer) -> None:
             raise ConfigurationError(
                 f"{_OWNER} cannot be combined with {type(callback).__name__}({schedule}), which accumulates"
                 f" {schedule[first]} batches per step from epoch {first}: {why}. Remove the callback and use"
-                f" {larger}."
+                f" {larger}.",
+                setting="Trainer.callbacks",
             )
 
 
@@ -89,7 +94,8 @@ def check_accumulation_now(trainer: pl.Trainer) -> None:
             f"{_OWNER} cannot accumulate gradients, but trainer.accumulate_grad_batches became"
             f" {trainer.accumulate_grad_batches} at epoch {trainer.current_epoch} (a callback set it): the last,"
             " smaller step of an epoch would be accumulated with full ones at equal weight. Leave"
-            f" accumulate_grad_batches at 1 and use a batch_size that many times larger, {_OR_OFF}."
+            f" accumulate_grad_batches at 1 and use a batch_size that many times larger, {_OR_OFF}.",
+            setting="Trainer.accumulate_grad_batches",
         )
 
 
@@ -108,19 +114,22 @@ def training_loader(loaders: Sequence[object]) -> DataLoader:
         raise ConfigurationError(
             f"{_OWNER} plans every step from one training DataLoader, but the training data holds {len(loaders)}"
             f" ({kinds}), whose batches no plan can make one device's. Train on one DataLoader (torch's"
-            f" ConcatDataset joins datasets), {_OR_OFF}."
+            f" ConcatDataset joins datasets), {_OR_OFF}.",
+            setting="Trainer.fit.train_dataloaders",
         )
     loader = loaders[0]
     if not isinstance(loader, DataLoader):
         raise ConfigurationError(
             f"{_OWNER} plans each rank's rows from a DataLoader's dataset and batch_size, but the training data is"
-            f" a {type(loader).__name__}. Give DataLoader(dataset, batch_size=..., shuffle=...), {_OR_OFF}."
+            f" a {type(loader).__name__}. Give DataLoader(dataset, batch_size=..., shuffle=...), {_OR_OFF}.",
+            setting="Trainer.fit.train_dataloaders",
         )
     if isinstance(loader.dataset, IterableDataset):
         raise ConfigurationError(
             f"{_OWNER} plans each rank's rows from the indices of the training dataset, but"
             f" {type(loader.dataset).__name__} is an IterableDataset, which yields its samples itself and has no"
-            f" indices. Use a map-style Dataset (with __len__ and __getitem__), {_OR_OFF}."
+            f" indices. Use a map-style Dataset (with __len__ and __getitem__), {_OR_OFF}.",
+            setting="DataLoader.dataset",
         )
     if loader.batch_size is None:
         given = (
@@ -132,14 +141,16 @@ def training_loader(loaders: Sequence[object]) -> DataLoader:
         )
         raise ConfigurationError(
             f"{_OWNER} needs the training DataLoader's batch_size to plan each rank's rows, but the DataLoader"
-            f" {given}. Give the DataLoader batch_size=... and shuffle=... instead, {_OR_OFF}."
+            f" {given}. Give the DataLoader batch_size=... and shuffle=... instead, {_OR_OFF}.",
+            setting="DataLoader.batch_size",
         )
     own = _own_sampler(loader)
     if own is not None:
         raise ConfigurationError(
             f"{_OWNER} shards the training data itself, in the order that shuffle=True or shuffle=False gives, but"
             f" the training DataLoader has sampler={own}, whose order the plan cannot follow and would drop without"
-            f" a word. Give the DataLoader shuffle=True or shuffle=False instead of a sampler, {_OR_OFF}."
+            f" a word. Give the DataLoader shuffle=True or shuffle=False instead of a sampler, {_OR_OFF}.",
+            setting="DataLoader.sampler",
         )
     return loader
 
@@ -157,7 +168,8 @@ def lightnings_sampler(dataloader: DataLoader) -> DistributedSampler:
             f"{_OWNER} takes the ranks and the seed of its plan from the DistributedSampler that Lightning puts in"
             f" the training DataLoader, but Lightning put none there (the sampler is {type(sampler).__name__}):"
             " Trainer(use_distributed_sampler=False) keeps it out. Keep use_distributed_sampler=True (the"
-            f" default), {_OR_OFF}."
+            f" default), {_OR_OFF}.",
+            setting="Trainer.use_distributed_sampler",
         )
     assert isinstance(sampler, DistributedSampler)
     return sampler
