@@ -33,8 +33,8 @@ Lightning and torchmetrics:
     DataLoader as the user's code built it, which only the fit loop's private data source returns.
 
 jsonargparse:
-    Its errors name the config key and the class paths they concern only in their text, which the command line
-    reads to say which class path does not import and why.
+    Its errors name the config key, the class paths and a rejected option they concern only in their text, which
+    the command line reads to say which class path does not import and why, and which setting was meant.
 """
 
 from __future__ import annotations
@@ -499,3 +499,27 @@ def parser_error_facts(message: str) -> tuple[str | None, list[str]]:
     """
     key = _PARSER_KEY.search(message)
     return (key.group(1) if key else None), list(dict.fromkeys(_CLASS_PATH.findall(message)))
+
+
+_REJECTED_OPTION = re.compile(
+    r"does not accept option '([^']+)'|Option '([^']+)' is not accepted|unrecognized arguments: --([^\s=]+)"
+)
+_EXPECTED = re.compile(r"Expected a <class '([\w.]+)'>")
+_GIVEN = re.compile(r"Given value: (.*)")
+
+
+def rejected_option(message: str) -> str | None:
+    """The option a jsonargparse error says is not accepted (a misspelt key or init argument), if it says so.
+
+    jsonargparse writes ``Subcommand 'fit' does not accept option 'trainer.max_epoch'`` for a key of the command,
+    ``Option 'bach_size' is not accepted`` for an init argument of a class, and argparse ``unrecognized arguments:
+    --trainr.max_epochs 3`` for a command-line flag; only the text says which.
+    """
+    found = _REJECTED_OPTION.search(message)
+    return next((group for group in found.groups() if group), None) if found else None
+
+
+def rejected_value(message: str) -> tuple[list[str], str] | None:
+    """The types a jsonargparse error expected and the value it was given (``(['int', 'NoneType'], 'abc')``)."""
+    expected, given = _EXPECTED.findall(message), _GIVEN.search(message)
+    return (list(dict.fromkeys(expected)), given.group(1).strip()) if expected and given else None

@@ -387,6 +387,74 @@ def test_a_misspelt_class_is_named_in_one_line(capsys: pytest.CaptureFixture[str
     )
 
 
+_MISSPELT_TRAINER_KEY = "'trainer.max_epoch' is not a setting of this command. Did you mean trainer.max_epochs?"
+
+
+@pytest.mark.parametrize(
+    ("config_edit", "overrides", "line"),
+    [
+        pytest.param(("max_epochs:", "max_epoch:"), [], _MISSPELT_TRAINER_KEY, id="key misspelt in the config"),
+        pytest.param(
+            None,
+            ["--trainr.max_epochs", "3"],
+            "'trainr.max_epochs' is not a setting of this command. Did you mean trainer.max_epochs?",
+            id="key misspelt on the command line",
+        ),
+        pytest.param(
+            ("    batch_size:", "    bach_size:"),
+            [],
+            "data: examples.density.GaussianMixtureData takes no argument 'bach_size'. Did you mean"
+            " data.init_args.batch_size?",
+            id="init argument misspelt in the config",
+        ),
+        pytest.param(
+            None,
+            ["--model.init_args.bach_size", "3"],
+            "model: examples.density.DensityModel takes no argument 'bach_size'. Check the name; it takes channels,"
+            " hidden_filters, init_scale, lr.",
+            id="init argument the class does not take",
+        ),
+        pytest.param(
+            None,
+            ["--trainer.max_epochs", "abc"],
+            "trainer.max_epochs takes int or null, not 'abc'.",
+            id="a value of the wrong type",
+        ),
+        pytest.param(
+            None,
+            ["--trainer.devices", "0"],
+            "the Trainer refuses these settings: `Trainer(devices='0')` value is not a valid input using cpu"
+            " accelerator. Change the trainer settings it names.",
+            id="devices 0",
+        ),
+        pytest.param(
+            None,
+            ["--trainer.enable_progress_bar", "false"],
+            "the Trainer refuses these settings: Trainer was configured with `enable_progress_bar=False` but found"
+            " `TQDMProgressBar` in callbacks list. Change the trainer settings it names.",
+            id="no progress bar beside the config's progress bar",
+        ),
+    ],
+)
+def test_a_configuration_that_cannot_start_ends_in_one_line_naming_the_cause_and_the_fix(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    config_edit: tuple[str, str] | None,
+    overrides: list[str],
+    line: str,
+) -> None:
+    config = QUICKSTART
+    if config_edit is not None:
+        text = QUICKSTART.read_text()
+        assert config_edit[0] in text
+        config = tmp_path / "edited.yaml"
+        config.write_text(text.replace(config_edit[0], config_edit[1], 1))
+    runs = tmp_path / "runs"
+    assert main(["fit", "--config", str(config), "--trainer.default_root_dir", str(runs), *overrides]) == 2
+    assert capsys.readouterr().err == f"lightning-mgpu fit: {line}\n"
+    assert not runs.exists() or not any(runs.rglob("*.ckpt"))
+
+
 def test_fit_help_says_where_the_model_arguments_are(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_:
         main(["fit", "--help"])

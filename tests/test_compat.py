@@ -150,6 +150,32 @@ def test_parser_errors_name_their_key_and_class_paths(message: str, key: str | N
     assert _compat.parser_error_facts(message) == (key, class_paths)
 
 
+@pytest.mark.parametrize(
+    ("message", "option"),
+    [
+        ("Subcommand 'fit' does not accept option 'trainer.max_epoch'", "trainer.max_epoch"),
+        (
+            "Parser key \"data\":\n  - Problem with given class_path 'a.B':\n      Option 'bach_size' is not accepted",
+            "bach_size",
+        ),
+        ("unrecognized arguments: --trainr.max_epochs 3", "trainr.max_epochs"),
+        ("Parser key \"trainer.max_epochs\":\n  Expected a <class 'int'>. Got value: abc", None),
+    ],
+)
+def test_parser_errors_name_the_option_they_reject(message: str, option: str | None) -> None:
+    assert _compat.rejected_option(message) == option
+
+
+def test_parser_errors_name_the_types_expected_and_the_value_given() -> None:
+    message = (
+        'Parser key "trainer.max_epochs":\n  Does not validate against any of the Union subtypes\n  Subtypes: [<class'
+        " 'int'>, <class 'NoneType'>]\n  Errors:\n    - Expected a <class 'int'>\n    - Expected a <class 'NoneType'>\n"
+        "  Given value type: <class 'str'>\n  Given value: abc"
+    )
+    assert _compat.rejected_value(message) == (["int", "NoneType"], "abc")
+    assert _compat.rejected_value("Subcommand 'fit' does not accept option 'x'") is None
+
+
 @pytest.mark.filterwarnings("ignore:.*weight_norm.*is deprecated:FutureWarning")
 def test_attributes_rewritten_by_torch_hooks_are_named() -> None:
     legacy = torch.nn.utils.weight_norm(nn.Linear(3, 4))  # the form that recomputes ``weight`` in a pre-hook

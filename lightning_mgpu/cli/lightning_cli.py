@@ -12,6 +12,7 @@ longer; and each command ends with a short summary of metrics and files.
 
 from __future__ import annotations
 
+import difflib
 import glob
 import importlib
 import os
@@ -23,14 +24,16 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import lightning.pytorch as pl
+from jsonargparse import ArgumentParser
 from lightning.pytorch import loggers as pl_loggers
 from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 import lightning_mgpu  # noqa: F401 - registers mgpu_dp and mgpu_ddp before the Trainer is built
-from lightning_mgpu._compat import parser_error_facts
+from lightning_mgpu._compat import parser_error_facts, rejected_option, rejected_value
 from lightning_mgpu.checks import check_gpus_exist
 from lightning_mgpu.cli import EXIT_USAGE, PROG
 from lightning_mgpu.errors import ConfigurationError
@@ -70,26 +73,33 @@ class ClassPathError(CommandError):
 
 
 class MGPUArgumentParser(LightningArgumentParser):
-    """LightningCLI's parser, which ends with one line, not the usage, when a class path does not import.
+    """LightningCLI's parser, which ends with one line naming the cause and the fix, never the usage.
 
     Attributes:
         working_directory: where the command was started; jsonargparse changes into a config file's folder while
             it reads the file.
+        command_parsers: the parsers of the whole command (its own and its subcommands'), whose keys a misspelt
+            key is compared with.
     """
 
     working_directory: str | None = None
+    command_parsers: Sequence[LightningArgumentParser] = ()
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
-        """Raise ``ClassPathError`` for a class path that does not import; anything else is jsonargparse's.
+        """Raise a ``CommandError`` with one line where jsonargparse would print its usage and the message.
 
-        jsonargparse reports it inside a union's alternatives after some 50 lines of usage; the import is repeated
-        here to tell a missing package from a misspelt class and from an error inside the module.
+        A class path that does not import is imported again here to tell a missing package from a misspelt class
+        and from an error inside the module; a key or init argument that is not accepted gets the closest accepted
+        ones. Parsers that do not exit on errors (jsonargparse's own, inside a union) raise as jsonargparse does.
         """
-        if self.exit_on_error:  # else jsonargparse raises, and whoever parses deals with it
-            problem = _class_path_problem(message, self.working_directory or os.getcwd())
-            if problem is not None:
-                raise problem
-        super().error(message, ex)
+        if not self.exit_on_error:
+            super().error(message, ex)
+        raise (
+            _class_path_problem(message, self.working_directory or os.getcwd())
+            or _rejected_option_problem(message, self.command_parsers)
+            or _rejected_value_problem(message)
+            or CommandError(f"{_one_line(message)} (--help lists the settings).")
+        )
 
 
 class RunFolderConfig(SaveConfigCallback):
@@ -128,6 +138,7 @@ class MGPULightningCLI(LightningCLI):
         self._started_at = time.time()
         self._new_run_folder: str | None = None
         self._working_directory = os.getcwd()
+        self._parsers: list[LightningArgumentParser] = []
         try:
             super().__init__(args=args, **kwargs)
         except BaseException:
@@ -139,6 +150,8 @@ class MGPULightningCLI(LightningCLI):
         parser = super().init_parser(**kwargs)
         if isinstance(parser, MGPUArgumentParser):
             parser.working_directory = self._working_directory
+            parser.command_parsers = self._parsers
+        self._parsers.append(parser)
         return parser
 
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
@@ -167,7 +180,11 @@ class MGPULightningCLI(LightningCLI):
         except CommandError:
             raise
         except ConfigurationError as error:
-            raise CommandError(str(error)) from None
+            raise CommandError(str(error), setting=error.setting) from None
+        except MisconfigurationException as error:
+            raise CommandError(
+                f"the Trainer refuses these settings: {_one_line(str(error))}. Change the trainer settings it names."
+            ) from None
 
     def after_fit(self) -> None:
         """Say what the run reached and where its files are."""
@@ -391,6 +408,51 @@ def _class_path_problem(message: str, working_directory: str) -> ClassPathError 
                 f"{where} {class_path!r} does not import: module {module_name} has no {class_name!r}; check the name."
             )
     return None
+
+
+def _rejected_option_problem(message: str, parsers: Sequence[LightningArgumentParser]) -> CommandError | None:
+    """A key or init argument that is not accepted, and the accepted one closest to it, as a ``CommandError``."""
+    option = rejected_option(message)
+    if option is None:
+        return None
+    key, class_paths = parser_error_facts(message)
+    if key and class_paths:  # an init argument of the class at ``key``
+        known = _init_arguments(class_paths[0])
+        meant = [f"{key}.init_args.{name}" for name in difflib.get_close_matches(option, known, n=1)]
+        hint = f"Did you mean {meant[0]}?" if meant else f"Check the name; it takes {', '.join(known)}."
+        return CommandError(f"{key}: {class_paths[0]} takes no argument {option!r}. {hint}")
+    known = sorted({name for parser in parsers for name in parser.get_defaults(skip_check=True).keys()})  # noqa: SIM118 - a Namespace iterates over items
+    meant = difflib.get_close_matches(option, known, n=1)
+    hint = f"Did you mean {meant[0]}?" if meant else "Check the name (--help lists the settings)."
+    return CommandError(f"{option!r} is not a setting of this command. {hint}")
+
+
+def _rejected_value_problem(message: str) -> CommandError | None:
+    """A value of the wrong type, said in one line with the types the key takes."""
+    rejected = rejected_value(message)
+    if rejected is None:
+        return None
+    expected, given = rejected
+    key, _ = parser_error_facts(message)
+    types = " or ".join("null" if name == "NoneType" else name for name in expected)
+    return CommandError(f"{key or 'a setting'} takes {types}, not {given!r}.")
+
+
+def _init_arguments(class_path: str) -> list[str]:
+    """The init arguments jsonargparse accepts for ``class_path``; none when it does not import."""
+    module_name, _, class_name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError):
+        return []
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(cls)
+    return list(parser.get_defaults(skip_check=True).keys())
+
+
+def _one_line(message: str) -> str:
+    """Jsonargparse's or Lightning's message on one line, ``Parser key "k":`` read as ``k:``."""
+    return re.sub(r"\s+", " ", re.sub(r'Parser key "([^"]+)":', r"\1:", message)).strip().rstrip(".")
 
 
 def _where_it_is(error: CommandError, args: Sequence[str]) -> str:
