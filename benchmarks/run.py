@@ -23,7 +23,9 @@ from benchmarks import ddp_suite, local_suite, overhead, report
 from benchmarks.models import intra_op_threads, mode_settings
 
 ROOT = Path(os.path.abspath(__file__)).parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = ROOT / "runs" / "benchmarks"
+"""Where a run writes unless ``--out`` says otherwise: git ignores it. The reference results kept in the repository
+(``benchmarks/results/<device>-<mode>``) are written by asking for that folder with ``--out``."""
 
 
 def _say(message: str) -> None:

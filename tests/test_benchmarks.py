@@ -100,3 +100,13 @@ def test_the_phase_timer_times_every_phase_from_outside_and_puts_the_engine_back
     torch.testing.assert_close(after, expected, rtol=0, atol=0)
     assert (wrapper._replicate, wrapper._apply_in_threads, dict(vars(data_parallel))) == originals
     assert "gather" not in vars(wrapper), "the class's gather is back"
+
+
+@pytest.mark.slow
+def test_a_run_writes_outside_the_tracked_tree_unless_told_where() -> None:
+    from benchmarks.run import RESULTS
+
+    default = RESULTS / "cpu-quick" / "results.json"
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(default)], cwd=ROOT, check=False)
+    assert ignored.returncode == 0, f"{default} is not ignored by git"
+    assert RESULTS.is_relative_to(ROOT)

@@ -455,6 +455,21 @@ def test_a_configuration_that_cannot_start_ends_in_one_line_naming_the_cause_and
     assert not runs.exists() or not any(runs.rglob("*.ckpt"))
 
 
+def test_a_config_without_a_root_folder_writes_only_under_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = QUICKSTART.read_text()
+    root_line = next(line for line in text.splitlines() if line.strip().startswith("default_root_dir:"))
+    (tmp_path / "mine.yaml").write_text(text.replace(root_line + "\n", ""))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(ROOT))  # the config's classes live in the repository's examples/
+    short = ["--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1"]
+    assert main(["fit", "--config", "mine.yaml", *short]) == 0
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["mine.yaml", "runs"]
+    assert (tmp_path / "runs" / "version_0" / "config.yaml").is_file()
+    assert f"run folder:    {tmp_path / 'runs' / 'version_0'}" in capsys.readouterr().out
+
+
 def test_fit_help_says_where_the_model_arguments_are(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_:
         main(["fit", "--help"])

@@ -40,6 +40,8 @@ from lightning_mgpu.errors import ConfigurationError
 from lightning_mgpu.strategies.registry import close_names
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
+DEFAULT_RUNS = "runs"
+"""Where runs go, under the current directory, when the config sets no ``trainer.default_root_dir``."""
 PREDICTIONS_FILE = "predictions.csv"
 """What the examples' prediction writers call their file in the run folder; the summary lists it after ``predict``."""
 
@@ -170,8 +172,11 @@ class MGPULightningCLI(LightningCLI):
                 kwargs["strategy"] = _strategy_from_class_path(strategy)
             elif isinstance(strategy, str):
                 _check_strategy_name(strategy)
+            root = trainer_config.get("default_root_dir")
+            if not root:  # never the current directory itself, which may be a checkout: its runs/ folder
+                root = kwargs["default_root_dir"] = os.path.join(os.getcwd(), DEFAULT_RUNS)
             if trainer_config.get("logger") in (None, True):
-                loggers = _run_loggers(trainer_config.get("default_root_dir") or os.getcwd())
+                loggers = _run_loggers(root)
                 kwargs["logger"] = loggers
                 folder = loggers[0].log_dir
                 if folder and not os.path.exists(folder):
