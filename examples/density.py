@@ -190,7 +190,7 @@ class DensityModel(MGPUMixin, L.LightningModule):
 
     def training_step_end(self, likelihoods: torch.Tensor) -> torch.Tensor:
         loss = nll_bits(likelihoods)
-        self.log("train_nll", loss, prog_bar=True)
+        self.log("train_nll", loss, prog_bar=True, on_step=True, on_epoch=True)  # train_nll_step, train_nll_epoch
         return loss
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:

@@ -470,6 +470,30 @@ def test_a_config_without_a_root_folder_writes_only_under_runs(
     assert f"run folder:    {tmp_path / 'runs' / 'version_0'}" in capsys.readouterr().out
 
 
+_NOISE = [
+    "💡 Tip",  # Lightning's advertising
+    "LeafSpec",  # Lightning's own use of a torch API that torch deprecates
+    "replicates some samples",  # Lightning's padding warning, untrue under mgpu_ddp's evaluation sampler
+    "dirpath has changed",  # ModelCheckpoint on a command that saves nothing
+    "Modules in train mode",  # the model summary of a model whose parameters sit in no layer
+]
+
+
+@pytest.mark.slow
+def test_fit_and_validate_under_mgpu_ddp_print_none_of_lightnings_useless_warnings(tmp_path: Path) -> None:
+    def command(*args: str) -> Summary:
+        env = clean_env(MASTER_PORT=str(free_ports(1)[0]))
+        argv = [sys.executable, "-m", "lightning_mgpu", *args, "--config", "configs/ddp_cpu.yaml", *SMALL_DENSITY]
+        argv += ["--trainer.default_root_dir", str(tmp_path)]
+        result = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert [noise for noise in _NOISE if noise in result.stdout + result.stderr] == []
+        return parse_summary(result.stdout)
+
+    checkpoint = command("fit").files["checkpoint"]
+    assert command("validate", "--ckpt_path", str(checkpoint)).metrics["val_nll"] > 0
+
+
 def test_fit_help_says_where_the_model_arguments_are(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_:
         main(["fit", "--help"])
@@ -553,7 +577,7 @@ def test_run_folder_holds_metrics_checkpoint_config_and_plot(
         "checkpoint": run_folder / "checkpoints" / "epoch=0-step=3.ckpt",
     }
     rows = read_metrics(run_folder)
-    assert len(column(rows, "train_nll")) == 3
+    assert len(column(rows, "train_nll_step")) == 3
     assert column(rows, "val_nll") == [pytest.approx(summary.metrics["val_nll"], rel=1e-3)]
     assert 4 < summary.metrics["val_nll"] < 10
     config = yaml.safe_load((run_folder / "config.yaml").read_text())

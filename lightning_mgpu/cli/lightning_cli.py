@@ -12,15 +12,17 @@ longer; and each command ends with a short summary of metrics and files.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import glob
 import importlib
+import logging
 import os
 import re
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
 import lightning.pytorch as pl
@@ -230,6 +232,9 @@ def summary(
 ) -> str:
     """A few lines: the final metrics, the run folder and its files, the checkpoint used or to use next.
 
+    A metric logged both per step and per epoch is shown by its epoch value alone: the last step's (a last batch
+    of one row, say) is not a value to quote.
+
     Args:
         trainer: the Trainer after the command.
         subcommand: ``fit``, ``validate``, ``test`` or ``predict``.
@@ -245,6 +250,8 @@ def summary(
         what = "the model's initial weights: no --ckpt_path given"
     lines = [f"{PROG} {subcommand}: done in {seconds:.1f} s ({what})"]
     metrics = {key: float(value) for key, value in trainer.callback_metrics.items() if value.numel() == 1}
+    for key in [key for key in metrics if key.endswith(("_step", "_epoch")) and key.rpartition("_")[0] in metrics]:
+        del metrics[key]  # logged per step and per epoch: the plain key holds the epoch's value, the one to quote
     if metrics:
         lines.append(_entry("final metrics", ", ".join(f"{key}={value:.4g}" for key, value in sorted(metrics.items()))))
     files: list[str] = []
@@ -291,15 +298,40 @@ def run(subcommand: str, args: list[str], prog: str = PROG) -> int:
     """
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # so config class paths like examples.density.DensityModel resolve
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _without_lightning_tips():
         # LightningCLI warns when ``args`` is given while sys.argv holds arguments: here they are the same ones.
         warnings.filterwarnings("ignore", message=".*args.* parameter is intended to run from within Python.*")
+        # Lightning's own use of a torch API that torch deprecates: nothing in the user's code to change.
+        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated")
+        if subcommand != "fit":  # the run folder is new, and nothing is saved into it: no best checkpoint to lose
+            warnings.filterwarnings("ignore", message="The dirpath has changed from")
         try:
             MGPULightningCLI(args=[subcommand, *args], prog=prog)
         except CommandError as error:
             print(f"{prog} {subcommand}: {error}{_where_it_is(error, args)}", file=sys.stderr)
             return EXIT_USAGE
     return 0
+
+
+@contextlib.contextmanager
+def _without_lightning_tips() -> Iterator[None]:
+    """Leave out Lightning's advertising lines (``💡 Tip: ... try installing ...``) while the command runs."""
+
+    def not_a_tip(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip:")
+
+    loggers = [logging.getLogger(name) for name in _LIGHTNING_INFO_LOGGERS]
+    for logger in loggers:
+        logger.addFilter(not_a_tip)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(not_a_tip)
+
+
+_LIGHTNING_INFO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+"""The loggers Lightning's ``rank_zero_info`` writes through."""
 
 
 def run_with_classes(model: str, data: str, args: Sequence[str], default_args: Sequence[str], prog: str) -> int:

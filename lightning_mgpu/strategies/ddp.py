@@ -6,6 +6,7 @@ import atexit
 import contextlib
 import inspect
 import time
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
@@ -17,6 +18,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -38,6 +40,9 @@ from lightning_mgpu.strategies.samplers import EvenlyShardedSampler, is_padding_
 from lightning_mgpu.strategies.uneven import UnevenTraining, reduce_over_real_rows
 
 _EVALUATION_STAGES = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING)
+_PADDED_EVALUATION_WARNING = r"Using `DistributedSampler` with the dataloaders\. During `trainer\.(validate|test)\(\)`"
+"""Lightning's warning that ``validate``/``test`` under DDP count padding duplicates: never true under ``mgpu_ddp``,
+whose evaluation sampler (``process_dataloader``) replaces the padding one it is about, so it is filtered out."""
 _EXIT_GRACE_S = 0.1
 """How long the exit handler leaves the GIL to torch.distributed's threads: many scheduler slices, room for load."""
 
@@ -253,6 +258,7 @@ class MGPUDDPStrategy(MGPUStrategyMixin, LaunchCheck, LightningDDPStrategy):
         # group, NCCL included, is created; DDP gets device_ids=[local rank], and output_device defaults to it.
         super().setup_environment()
         release_process_group_at_exit()
+        warnings.filterwarnings("ignore", message=_PADDED_EVALUATION_WARNING, category=PossibleUserWarning)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
