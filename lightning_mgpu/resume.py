@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,6 +34,11 @@ from lightning_mgpu._compat import (
 )
 
 STATE_KEY = "lightning_mgpu"
+_NOT_RESUMABLE_WARNING = (
+    "You're resuming from a checkpoint that ended before the epoch ended and your dataloader is not"
+)
+"""Lightning's warning for a mid-epoch resume of a DataLoader without a ``state_dict``: untrue once its sampler is
+wrapped in ``ResumableSampler`` and told where to resume, so it is filtered out then."""
 
 
 class ResumableSampler(Sampler[int]):
@@ -154,6 +160,7 @@ class ExactResume:
         pending = self._continue_epoch()
         if pending is not None:
             wrapped.sampler.resume(pending["sampler_seed"], skip=pending["skip_batches"] * dataloader.batch_size)
+            warnings.filterwarnings("ignore", message=_NOT_RESUMABLE_WARNING)
         return wrapped
 
     def _continue_epoch(self) -> dict[str, Any] | None:

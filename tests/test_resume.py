@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -180,8 +181,11 @@ def test_mid_epoch_resume_trains_on_the_rest_of_the_epoch_in_its_order(
 
     every_third = ModelCheckpoint(dirpath=tmp_path / "checkpoints", every_n_train_steps=3, save_top_k=-1)
     straight = fit(callbacks=[every_third], enable_checkpointing=True)
-    resumed = fit(str(tmp_path / "checkpoints" / "epoch=1-step=15.ckpt"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = fit(str(tmp_path / "checkpoints" / "epoch=1-step=15.ckpt"))
 
+    assert [str(warning.message) for warning in caught if "dataloader is not resumable" in str(warning.message)] == []
     assert len(straight.steps) == 20
     assert resumed.steps == straight.steps[15:]
     for (name, value), resumed_value in zip(straight.named_parameters(), resumed.parameters(), strict=True):
