@@ -124,8 +124,9 @@ LAUNCHES: dict[str, tuple[list[str], str]] = {
         "elsewhere",
     ),
     "README usage": (["readme_usage.py"], "elsewhere"),
-    # the README's uneven_batches command, on fewer samples: 4 full steps of 2 x 250 rows, then one of a single row
-    "README uneven_batches": (
+    # docs/ddp.md's uneven_batches command, which tests/test_docs.py runs as written; here its steps and files are
+    # checked: 4 full steps of 2 x 250 rows, then one of a single row
+    "docs/ddp.md uneven_batches": (
         ["-m", "lightning_mgpu", "fit", "--config", "configs/ddp_cpu.yaml"]
         + ["--trainer.strategy.class_path", "lightning_mgpu.MGPUDDPStrategy"]
         + ["--trainer.strategy.init_args.uneven_batches", "true", *SMALL_DENSITY, "--data.num_samples", "2001"],
@@ -150,7 +151,7 @@ DDP_STEPS = {
     "examples/density.py --trainer.strategy mgpu_ddp": 2,  # 1000 samples per rank in batches of 500
     # 719 images per rank, batches of 64
     "examples/classifier.py --trainer.strategy lightning_mgpu.MGPUDDPStrategy": 12,
-    "README uneven_batches": 5,
+    "docs/ddp.md uneven_batches": 5,
 }
 
 
