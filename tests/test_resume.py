@@ -173,7 +173,7 @@ def test_mid_epoch_resume_trains_on_the_rest_of_the_epoch_in_its_order(
     data = TensorDataset(x, y, torch.arange(40))
 
     def fit(ckpt_path: str | None = None, **overrides: Any) -> _OrderRecorded:
-        L.seed_everything(3)
+        torch.manual_seed(3)  # not seed_everything, whose PL_GLOBAL_SEED would seed later tests' DistributedSampler
         model = _OrderRecorded(one_cycle)
         run = trainer(tmp_path, max_epochs=2, devices=2, strategy="mgpu_dp", **overrides)
         run.fit(model, loader_class(data, batch_size=4, shuffle=True), ckpt_path=ckpt_path)

@@ -456,9 +456,12 @@ def _rejected_option_problem(message: str, parsers: Sequence[LightningArgumentPa
     if key and class_paths:  # an init argument of the class at ``key``
         known = _init_arguments(class_paths[0])
         meant = [f"{key}.init_args.{name}" for name in difflib.get_close_matches(option, known, n=1)]
-        hint = f"Did you mean {meant[0]}?" if meant else f"Check the name; it takes {', '.join(known)}."
+        takes = f"; it takes {', '.join(known)}" if known else ""
+        hint = f"Did you mean {meant[0]}?" if meant else f"Check the name{takes}."
         return CommandError(f"{key}: {class_paths[0]} takes no argument {option!r}. {hint}")
-    known = sorted({name for parser in parsers for name in parser.get_defaults(skip_check=True).keys()})  # noqa: SIM118 - a Namespace iterates over items
+    # A jsonargparse Namespace iterates over its (key, value) items; its keys() are the dotted keys.
+    defaults = [parser.get_defaults(skip_check=True) for parser in parsers]
+    known = sorted({name for namespace in defaults for name in namespace.keys()})  # noqa: SIM118
     meant = difflib.get_close_matches(option, known, n=1)
     hint = f"Did you mean {meant[0]}?" if meant else "Check the name (--help lists the settings)."
     return CommandError(f"{option!r} is not a setting of this command. {hint}")
@@ -488,7 +491,7 @@ def _init_arguments(class_path: str) -> list[str]:
 
 
 def _one_line(message: str) -> str:
-    """Jsonargparse's or Lightning's message on one line, ``Parser key "k":`` read as ``k:``."""
+    """The message of jsonargparse or Lightning on one line, ``Parser key "k":`` read as ``k:``."""
     return re.sub(r"\s+", " ", re.sub(r'Parser key "([^"]+)":', r"\1:", message)).strip().rstrip(".")
 
 
