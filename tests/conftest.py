@@ -18,7 +18,7 @@ import torch  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 sys.path.insert(0, os.path.dirname(__file__))
-from processes import SELECTED_LAUNCHES  # noqa: E402
+from processes import SELECTED_BLOCKS, SELECTED_LAUNCHES  # noqa: E402
 
 import lightning_mgpu  # noqa: E402,F401  (registers the strategies)
 
@@ -31,16 +31,22 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Record the launches that the selected tests wait for: the ``launch`` parameter of each test using ``launches``.
+    """Record what the selected tests wait for, so that the fixtures starting it start that alone.
 
-    ``tests/test_cli.py``'s ``launches`` fixture starts those, and only those, together.
+    ``tests/test_cli.py``'s ``launches`` starts the ``launch`` parameters of the tests that use it, together;
+    ``tests/test_docs.py``'s ``jobs`` runs the ``block`` parameters of the tests that use it, a few at a time.
     """
-    session.config.stash[SELECTED_LAUNCHES] = {
-        item.callspec.params["launch"]
+    session.config.stash[SELECTED_LAUNCHES] = set(_parameters_of(session, "launches", "launch"))
+    session.config.stash[SELECTED_BLOCKS] = list(dict.fromkeys(_parameters_of(session, "jobs", "block")))
+
+
+def _parameters_of(session: pytest.Session, fixture: str, parameter: str) -> list[Any]:
+    return [
+        item.callspec.params[parameter]
         for item in session.items
-        if "launches" in getattr(item, "fixturenames", ())
-        and "launch" in getattr(getattr(item, "callspec", None), "params", {})
-    }
+        if fixture in getattr(item, "fixturenames", ())
+        and parameter in getattr(getattr(item, "callspec", None), "params", {})
+    ]
 
 
 @pytest.fixture(autouse=True)

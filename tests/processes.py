@@ -28,6 +28,26 @@ ZOO_SCRIPT = Path(__file__).parent / "scripts" / "zoo_ddp.py"
 
 SELECTED_LAUNCHES = pytest.StashKey[set[str]]()
 """``config.stash`` key: the ``launch`` parameters of the selected tests that request a ``launches`` fixture."""
+SELECTED_BLOCKS = pytest.StashKey[list[Any]]()
+"""``config.stash`` key: the ``block`` parameters of the selected tests that request a ``jobs`` fixture, in order."""
+
+
+def start_in_session(command: list[str], cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """Start ``command`` in a session of its own, its output and errors going to ``log``.
+
+    The ranks a launcher starts share that session, so ``stop_session`` ends them all.
+    """
+    with open(log, "wb") as output:
+        return subprocess.Popen(
+            command, cwd=cwd, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
+def stop_session(process: subprocess.Popen[Any]) -> None:
+    """Kill ``process`` and every process of its session, if it is still running, and wait for it."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 def free_port() -> int:
@@ -97,7 +117,7 @@ def run_zoo_job(zoo: str, out: Path, names: Sequence[str], timeout: float) -> st
     try:
         _, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        stop_session(process)
         _, stderr = process.communicate()
         stderr += f"\nThe job was killed after {timeout:.0f} s."
     return stderr

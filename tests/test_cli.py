@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import csv
 import math
-import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -25,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from processes import SELECTED_LAUNCHES, clean_env, free_ports
+from processes import SELECTED_LAUNCHES, clean_env, free_ports, start_in_session, stop_session
 from run_folders import column, read_metrics
 
 import lightning_mgpu
@@ -173,9 +171,7 @@ class Launch:
         return code, self.log.read_text()
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)  # its own session: the ranks it started go with it
-            self.process.wait()
+        stop_session(self.process)
 
 
 def _readme_usage() -> str:
@@ -211,15 +207,8 @@ def launches(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
         else:
             args = [arg.replace("{port}", str(port)) for arg in args] + ["--trainer.default_root_dir", str(root)]
         log = folder / "output.log"
-        with open(log, "wb") as output:
-            process = subprocess.Popen(
-                [sys.executable, *args],
-                cwd=ROOT if where == "root" else cwd,
-                env=clean_env(MASTER_PORT=str(port)),
-                stdout=output,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        env = clean_env(MASTER_PORT=str(port))
+        process = start_in_session([sys.executable, *args], ROOT if where == "root" else cwd, env, log)
         started[name] = Launch(process, log, root, time.monotonic() + LAUNCH_TIMEOUT)
     yield started
     for launch in started.values():

@@ -18,10 +18,8 @@ Anything else fails ``test_every_code_block_runs_or_says_why_not``. The blocks t
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -33,7 +31,7 @@ from typing import Any
 import pytest
 import yaml
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from processes import clean_env, free_port
+from processes import SELECTED_BLOCKS, clean_env, free_port, start_in_session, stop_session
 
 import lightning_mgpu
 from lightning_mgpu.cli import main
@@ -281,25 +279,16 @@ class Job:
 
     def start(self) -> None:
         port = str(free_port())
-        with open(self.log, "wb") as output:
-            self.process = subprocess.Popen(
-                self.command,
-                cwd=ROOT,
-                env={**self.env, "MASTER_PORT": port, "PET_MASTER_PORT": port},  # PET_: torchrun's --master-port
-                stdout=output,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        env = {**self.env, "MASTER_PORT": port, "PET_MASTER_PORT": port}  # PET_: torchrun's --master-port
+        self.process = start_in_session(self.command, ROOT, env, self.log)
         self.started = time.monotonic()
 
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
     def stop(self) -> None:
-        if self.running():
-            assert self.process is not None
-            os.killpg(self.process.pid, signal.SIGKILL)  # its own session: the ranks it started go with it
-            self.process.wait()
+        if self.process is not None:
+            stop_session(self.process)
 
 
 class Jobs:
@@ -336,10 +325,9 @@ class Jobs:
 
 @pytest.fixture(scope="module")
 def jobs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Jobs]:
-    """A job per command of every block the selected tests run; none starts before a test waits for one."""
-    parameters = [getattr(getattr(item, "callspec", None), "params", {}) for item in request.session.items]
-    selected = [params["block"] for params in parameters if isinstance(params.get("block"), Block)]
-    selected = [block for block in selected if _how_checked(block) == "run"]
+    """A job per command of every block the selected tests run (recorded by ``tests/conftest.py``); none starts before
+    a test waits for one."""
+    selected = [block for block in request.config.stash.get(SELECTED_BLOCKS, []) if _how_checked(block) == "run"]
     queued: dict[Block, list[Job]] = {}
     for block in selected:
         folder = tmp_path_factory.mktemp("block")
