@@ -362,9 +362,8 @@ def _check_strategy_name(name: str) -> None:
 
 
 def _strategy_from_class_path(class_path: str) -> Strategy:
-    module_name, _, class_name = class_path.rpartition(".")
     try:
-        strategy_class = getattr(importlib.import_module(module_name), class_name)
+        strategy_class = _imported(class_path)
     except (ImportError, AttributeError) as error:
         raise ClassPathError(
             f"trainer.strategy {class_path!r} is neither a registered strategy name nor an importable class"
@@ -480,14 +479,19 @@ def _rejected_value_problem(message: str) -> CommandError | None:
 
 def _init_arguments(class_path: str) -> list[str]:
     """The init arguments jsonargparse accepts for ``class_path``; none when it does not import."""
-    module_name, _, class_name = class_path.rpartition(".")
     try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError):
+        cls = _imported(class_path)
+    except (ImportError, AttributeError, ValueError):  # ValueError: a class path without a module
         return []
     parser = ArgumentParser(exit_on_error=False)
     parser.add_class_arguments(cls)
     return list(parser.get_defaults(skip_check=True).keys())
+
+
+def _imported(class_path: str) -> Any:
+    """What ``module.name`` names, imported; ``ImportError`` or ``AttributeError`` when it does not import."""
+    module_name, _, name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module_name), name)
 
 
 def _one_line(message: str) -> str:
