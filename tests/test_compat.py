@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
+from models import PositionKeepingLoader
 from processes import free_port
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler, TensorDataset
@@ -286,30 +286,14 @@ def test_batches_done_in_epoch_counts_the_running_batch() -> None:
     assert module.done == [1, 2, 3, 1, 2, 3]
 
 
-class _Stateful(DataLoader):
-    """A DataLoader that keeps its state by Lightning's protocol: the number of batches it yielded."""
-
-    def __iter__(self) -> Any:
-        self.yielded = 0
-        for batch in super().__iter__():
-            self.yielded += 1
-            yield batch
-
-    def state_dict(self) -> dict[str, int]:
-        return {"yielded": self.yielded}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.yielded = state["yielded"]
-
-
 def test_the_saved_states_of_stateful_training_dataloaders_are_found(tmp_path: Path) -> None:
     trainer = pl.Trainer(
         accelerator="cpu", max_steps=2, logger=False, enable_progress_bar=False, default_root_dir=str(tmp_path)
     )
-    trainer.fit(_Counting(), _Stateful(TensorDataset(torch.randn(6, 2)), batch_size=2))
+    trainer.fit(_Counting(), PositionKeepingLoader(TensorDataset(torch.randn(6, 2)), batch_size=2))
     checkpoint = torch.load(trainer.checkpoint_callback.best_model_path, weights_only=False)
     saved = _compat.saved_dataloader_states(checkpoint)
-    assert saved == [{"yielded": 2}]
+    assert saved == [{"yielded": 2, "seed": None}]  # not shuffled: no seed to keep
     assert _compat.saved_dataloader_states({}) == []
 
 
