@@ -3,27 +3,20 @@
 Each finding names the attribute and the fix. Errors stop ``fit`` under the ``mgpu_*`` strategies; warnings are
 shown once. The doctor runs the same model checks.
 
-The checks judge only the model's own code. torch, torchmetrics, Lightning and the model libraries (torchvision, timm,
-transformers, ...: ``_LIBRARY_PACKAGES``) keep bookkeeping of their own in plain attributes (an RNN's list of its flat
-weights, the tensor that ``weight_norm`` recomputes before every forward, a metric's states, a detector's anchors)
-and handle it themselves; flagging it would refuse stock models and give advice that breaks them. An attribute is
-theirs when a class of theirs in the module's MRO stores it (read from that class's source, so a subclass of
-``nn.LSTM`` in your code inherits the exemption for ``_flat_weights`` but not for what the subclass adds), when a
-forward pre-hook of theirs recomputes it (``weight_norm``, ``spectral_norm``, ``torch.nn.utils.prune``), or when
-Lightning puts it on every module. The same plain list written in your code, even one that only repeats registered
-parameters, is still a finding: replicas would read the original tensors through it.
+The checks judge only the model's own code: what torch, torchmetrics, Lightning and the model libraries keep in plain
+attributes they handle themselves (``lightning_mgpu.library_code``), and what Lightning puts on every module, is
+theirs; flagging it would refuse stock models and give advice that breaks them.
 
-Only what is certainly wrong is an error: parameters and modules in plain containers, which are never trained or
-replicated, and lazy parameters. Tensors outside parameters and buffers are warnings, because code that moves them to
-its input's device works; ``allow_plain_tensors`` says so per attribute and silences them.
+Only what is certainly wrong is an error: parameters and modules in plain containers that are registered nowhere else
+in the model, which are never trained or replicated, and lazy parameters. A plain container that only indexes
+modules, parameters and buffers registered elsewhere (a dict of metrics by name) loses nothing: each replica gets a
+copy of it holding the replica's own. Tensors outside parameters and buffers are warnings, because code that moves
+them to its input's device works; ``allow_plain_tensors`` says so per attribute and silences them.
 """
 
 from __future__ import annotations
 
-import ast
 import functools
-import inspect
-import textwrap
 import types
 import warnings
 from collections.abc import Generator, Iterator, Mapping, Sequence
@@ -35,8 +28,8 @@ import torch
 from torch import nn
 from torchmetrics import Metric
 
-from lightning_mgpu._compat import names_rewritten_by_hooks
 from lightning_mgpu.errors import ConfigurationError, ModelCheckError
+from lightning_mgpu.library_code import kept_by_library
 
 
 def check_devices_exist(devices: Sequence[object], strategy_name: str) -> None:
@@ -119,35 +112,6 @@ def _gpus_asked_for(devices: object) -> int | list[int] | None:
 
 
 # Model checks: multi-GPU traps that show in a model's structure.
-# Packages whose classes and utilities look after the attributes they store; the checks judge everything else.
-# Model libraries are judged as torch is: their models train on DataParallel and DDP every day.
-_LIBRARY_PACKAGES = frozenset(
-    {
-        "torch",
-        "torchmetrics",
-        "lightning",
-        "pytorch_lightning",
-        "lightning_fabric",
-        "torchvision",
-        "torchaudio",
-        "torchtext",
-        "timm",
-        "transformers",
-        "diffusers",
-        "peft",
-        "sentence_transformers",
-        "open_clip",
-        "torch_geometric",
-        "segmentation_models_pytorch",
-        "monai",
-        "ultralytics",
-        "detectron2",
-        "mmcv",
-        "mmengine",
-        "mmdet",
-        "fairseq",
-    }
-)
 _PLAIN_TENSORS_ALLOWED = "_mgpu_plain_tensors_allowed"
 """The instance attribute where ``allow_plain_tensors`` keeps the names it was given."""
 
@@ -207,6 +171,7 @@ def check_model(module: nn.Module) -> list[Finding]:
     """
     findings: list[Finding] = []
     baseline = _baseline()
+    registered = _Registered(module)
     for prefix, submodule in module.named_modules():
         if isinstance(submodule, Metric):
             continue  # torchmetrics keeps its states as attributes on purpose and moves them itself
@@ -218,7 +183,7 @@ def check_model(module: nn.Module) -> list[Finding]:
             where = f"{prefix}.{name}" if prefix else name
             found = [
                 finding
-                for finding in _check_attribute(where, value)
+                for finding in _check_attribute(where, value, registered)
                 if not (name in allowed and finding.check in _ONLY_TENSORS)
             ]
             if found and not kept_by_library(submodule, name):
@@ -275,112 +240,26 @@ def _frame_without_callers() -> types.FrameType | None:
     return generator.gi_frame
 
 
-def kept_by_library(module: nn.Module, name: str) -> bool:
-    """Whether attribute ``name`` of ``module`` is kept by a library's class (``_LIBRARY_PACKAGES``), not by you."""
-    if name in names_rewritten_by_hooks(module, _is_library):
-        return True
-    for cls in type(module).__mro__:
-        if _is_library(cls):
-            names = _names_stored_by(cls)
-            if names is None or name in names:
-                return True
-    return False
+class _Registered:
+    """The modules, parameters and buffers registered in a model, by identity, worked out on first use."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = model
+        self._ids: set[int] | None = None
+
+    def __contains__(self, value: object) -> bool:
+        if not isinstance(value, (nn.Module, torch.Tensor)):
+            return False
+        if self._ids is None:
+            model = self._model
+            tensors = (*model.parameters(), *model.buffers())
+            self._ids = {id(item) for item in (*model.modules(), *tensors)}
+        return id(value) in self._ids
 
 
-def _is_library(cls: type) -> bool:
-    module_name = getattr(cls, "__module__", None)
-    return isinstance(module_name, str) and module_name.partition(".")[0] in _LIBRARY_PACKAGES
-
-
-@functools.cache
-def _names_stored_by(cls: type) -> frozenset[str] | None:
-    """Attribute names that the methods of ``cls`` store on the instance, read from the source of ``cls`` itself.
-
-    Returns ``None`` when some method's source cannot be read (an install without sources); every attribute of an
-    instance is then given the benefit of the doubt, since a false error would stop a correct model.
-    """
-    names: set[str] = set()
-    for function in _functions_of(cls):
-        try:
-            source = textwrap.dedent(inspect.getsource(function))
-            tree = ast.parse(f"if True:\n{source}" if source[:1].isspace() else source)
-        except (OSError, TypeError, SyntaxError):
-            return None
-        names.update(_names_stored_on_first_argument(tree, f"_{cls.__name__.lstrip('_')}"))
-    return frozenset(names)
-
-
-def _functions_of(cls: type) -> Iterator[Any]:
-    """The Python functions defined in ``cls`` that receive the instance: methods and property accessors."""
-    for value in vars(cls).values():
-        if isinstance(value, (staticmethod, classmethod)):
-            continue
-        accessors = (value.fget, value.fset, value.fdel) if isinstance(value, property) else (value,)
-        for accessor in accessors:
-            if callable(accessor):
-                function = inspect.unwrap(accessor)
-                if inspect.isfunction(function):
-                    yield function
-
-
-def _names_stored_on_first_argument(tree: ast.AST, private_prefix: str) -> set[str]:
-    """Names stored on the first argument of the first function in ``tree``, in any of the ways Python allows.
-
-    Covers ``self.x = ...`` (also augmented, annotated, unpacked and loop targets; ``self.__x`` under its mangled
-    name, with ``private_prefix``), ``setattr(self, "x", ...)``, ``object.__setattr__(self, "x", ...)``,
-    ``super().__setattr__("x", ...)`` and ``self.__dict__["x"] = ...``.
-    """
-    function = next(
-        (node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))),
-        None,
-    )
-    if function is None:
-        return set()
-    arguments = [*function.args.posonlyargs, *function.args.args]
-    if not arguments:
-        return set()
-    owner = arguments[0].arg
-    names: set[str] = set()
-    for node in ast.walk(function):
-        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and _is_name(node.value, owner):
-            private = node.attr.startswith("__") and not node.attr.endswith("__")
-            names.add(f"{private_prefix}{node.attr}" if private else node.attr)
-        elif (
-            isinstance(node, ast.Subscript)
-            and isinstance(node.ctx, ast.Store)
-            and isinstance(node.value, ast.Attribute)
-            and node.value.attr == "__dict__"
-            and _is_name(node.value.value, owner)
-        ):
-            names.update(_literal(node.slice))
-        elif isinstance(node, ast.Call) and len(node.args) >= 2:
-            names.update(_name_set_by_call(node, owner))
-    return names
-
-
-def _name_set_by_call(call: ast.Call, owner: str) -> list[str]:
-    """The literal name that ``setattr``/``__setattr__`` stores on ``owner`` in ``call``, if it is one."""
-    func, first, second = call.func, call.args[0], call.args[1]
-    if _is_name(func, "setattr") or (isinstance(func, ast.Attribute) and func.attr == "__setattr__"):
-        if _is_name(first, owner):  # setattr(self, "x", v), object.__setattr__(self, "x", v)
-            return _literal(second)
-        bound_to_owner = isinstance(func, ast.Attribute) and (
-            _is_name(func.value, owner) or (isinstance(func.value, ast.Call) and _is_name(func.value.func, "super"))
-        )
-        if bound_to_owner:  # super().__setattr__("x", v), self.__setattr__("x", v)
-            return _literal(first)
-    return []
-
-
-def _literal(node: ast.AST) -> list[str]:
-    return [node.value] if isinstance(node, ast.Constant) and isinstance(node.value, str) else []
-
-
-def _is_name(node: ast.AST, name: str) -> bool:
-    return isinstance(node, ast.Name) and node.id == name
-
-
-def _check_attribute(where: str, value: Any) -> list[Finding]:
+def _check_attribute(where: str, value: Any, registered: _Registered) -> list[Finding]:
+    if value in registered:
+        return []
     if isinstance(value, torch.Tensor):
         return [
             Finding(
@@ -395,7 +274,7 @@ def _check_attribute(where: str, value: Any) -> list[Finding]:
             )
         ]
     if isinstance(value, (list, tuple, set, Mapping)) and not isinstance(value, (nn.Module, str)):
-        kinds = sorted({_kind(item) for item in _leaves(value)} - {""})
+        kinds = sorted({_kind(item) for item in _leaves(value) if item not in registered} - {""})
         container = type(value).__name__
         name = where.split(".")[-1]
         if kinds == ["tensor"]:

@@ -10,6 +10,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -147,6 +148,23 @@ class ListParamsNet(_Net):
     def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
         x, y = batch
         return F.mse_loss(self.layer(x) * self.scales[0] * self.scales[1], y)
+
+
+class MetricsByNameNet(_Net):
+    """Metrics registered under their own names and indexed by name in a plain dict, updated in the step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mse = torchmetrics.MeanSquaredError()
+        self.mae = torchmetrics.MeanAbsoluteError()
+        self.metrics = {"mse": self.mse, "mae": self.mae}
+
+    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        prediction = self.layer(x)
+        for metric in self.metrics.values():
+            metric.update(prediction.detach(), y)
+        return F.mse_loss(prediction, y)
 
 
 class UnusedParamNet(MeanLossNet):

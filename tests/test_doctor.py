@@ -183,6 +183,12 @@ def test_parameters_in_a_plain_list_are_an_error(capsys: pytest.CaptureFixture[s
     assert ("error", "plain-container", "scales") in found(report)
 
 
+def test_a_plain_dict_of_registered_metrics_is_no_finding(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor", "--model", f"{MODELS}:MetricsByNameNet", *DATA]) == 0
+    assert "plain-container" not in capsys.readouterr().out
+    assert doctor("MetricsByNameNet").findings == []
+
+
 def test_unused_parameter_is_a_warning_for_dp_and_an_error_for_ddp(capsys: pytest.CaptureFixture[str]) -> None:
     unused = {"unused.weight", "unused.bias"}
     dp = doctor("UnusedParamNet")
