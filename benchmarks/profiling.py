@@ -40,7 +40,7 @@ LABELS = (
     ("lightning_mgpu.engine.replicate", "ReplicaCache.keep_reassigned_buffers", "mgpu::keep_buffers"),
     ("lightning_mgpu.step.replicas", "replay", "mgpu::log_replay"),
     ("lightning_mgpu.engine.data_parallel", "MGPUDataParallel.gather", "mgpu::gather"),
-    ("lightning_mgpu.step.replicas", "_reduce_loss", "mgpu::reduce_loss"),
+    ("lightning_mgpu.step.replicas", "combine_scalars", "mgpu::reduce_loss"),
 )
 """(module, attribute path, label), in step order."""
 PACKAGE_MARK = f"{os.sep}lightning_mgpu{os.sep}"

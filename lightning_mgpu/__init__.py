@@ -8,7 +8,7 @@ from typing import Any
 from lightning_mgpu.checks import Finding, allow_plain_tensors, check_model
 from lightning_mgpu.engine import MGPUDataParallel
 from lightning_mgpu.engine.scatter import Fields, PerSample
-from lightning_mgpu.errors import BatchSplitError, ConfigurationError, GatherError, ModelCheckError
+from lightning_mgpu.errors import BatchSplitError, ConfigurationError, GatherError, ModelCheckError, ReplicaStateError
 from lightning_mgpu.helpers import add_local_rank_argument, parse_local_rank, register_parameters, to_device_of, unwrap
 from lightning_mgpu.mixin import MGPUMixin
 from lightning_mgpu.strategies import MGPUDDPStrategy, MGPUDPStrategy
@@ -52,6 +52,7 @@ __all__ = [
     "MGPUMixin",
     "ModelCheckError",
     "PerSample",
+    "ReplicaStateError",
     "__version__",
     "add_local_rank_argument",
     "allow_plain_tensors",

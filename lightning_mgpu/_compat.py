@@ -9,7 +9,8 @@ torch:
     state: a module's own replication hook (RNNs keep caches of their weights), the forward that
     ``torch.compile(module)`` binds to the module it wraps, and the call that ``module.compile()`` binds to the
     module itself. Nor does it say which attributes its forward pre-hooks rewrite (``weight_norm``'s ``weight``),
-    or cheaply whether a thread has any torch function mode active (``parallel_apply`` asks every step), and before
+    or cheaply whether a thread has any torch function mode active (``parallel_apply`` asks every step), or whether a
+    tensor was changed in place (its version counter), and before
     torch 2.8 its ``get_default_device`` misses ``with torch.device(...)`` blocks. BatchNorm
     over the whole batch needs the BatchNorm base class, which torch does not export, and whether a module was
     compiled with ``fullgraph=True``, which only its compile context says. A replica
@@ -30,7 +31,10 @@ Lightning and torchmetrics:
     the data is set up before the checkpoint's loops are loaded. ``MGPUDDPStrategy(uneven_batches=True)`` weights
     logged values by the real rows of each rank's batch, which Lightning reads from its private result collection,
     and keeps the padding row out of epoch sums, maxima and minima kept there. It also judges the training
-    DataLoader as the user's code built it, which only the fit loop's private data source returns.
+    DataLoader as the user's code built it, which only the fit loop's private data source returns. A metric merged
+    from the replicas' copies of it must count one update per call and drop the value ``compute`` cached, and the
+    value Lightning logs for it per step is the one torchmetrics keeps from its last call: three private fields.
+    Whether torchmetrics' own code or the step's calls a copy's ``compute`` is read from the calling frame.
 
 jsonargparse:
     Its errors name the config key, the class paths and a rejected option they concern only in their text, which
@@ -40,6 +44,7 @@ jsonargparse:
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -190,6 +195,14 @@ def default_device() -> torch.device:
 
 function_mode_depth: Callable[[], int] = torch._C._len_torch_function_stack
 """How many torch function modes are active on this thread: a C call, cheap enough to ask every step."""
+
+
+def version_counter(tensor: torch.Tensor) -> int:
+    """How many times ``tensor`` was changed in place: autograd's version counter, which torch keeps private.
+
+    Replicas share a module's plain tensor attributes; a change of this count during a call shows that one changed it.
+    """
+    return int(tensor._version)
 
 
 BatchNorm = nn.modules.batchnorm._BatchNorm
@@ -418,6 +431,34 @@ def restore_metric_states(module: Any, states: dict[str, dict[str, Any]]) -> Non
             setattr(metric, key, [item.to(device) for item in value] if isinstance(value, list) else value.to(device))
         metric._update_count = saved["updates"]
         metric._computed = None
+
+
+def set_update_count(metric: Any, count: int) -> None:
+    """Set how many updates ``metric`` counts (public ``update_count`` reads it; only the private field sets it).
+
+    A metric merged from the replicas' copies counts one update per call, as one device's does; ``merge_state`` reads
+    the count of a state averaged over updates (``dist_reduce_fx="mean"``) as including the incoming one.
+    """
+    metric._update_count = count
+
+
+def forget_computed(metric: Any) -> None:
+    """Drop the value ``compute()`` cached, as ``update`` does, after states were merged into ``metric``."""
+    metric._computed = None
+
+
+def set_forward_value(metric: Any, value: Any) -> None:
+    """Make ``value`` what ``metric`` last returned when called: Lightning logs a Metric object's step value from it."""
+    metric._forward_cache = value
+
+
+def caller_module(depth: int) -> str:
+    """The module name of the function ``depth`` frames above the caller of this one (1: the caller's caller).
+
+    Tells a torchmetrics metric's own code calling its ``compute`` or ``reset`` from the step's code calling it;
+    ``sys._getframe`` is the cheap way to look, and CPython's.
+    """
+    return str(sys._getframe(depth + 1).f_globals.get("__name__", ""))
 
 
 def _detached(value: Any) -> Any:

@@ -43,6 +43,28 @@ class GatherError(TypeError):
         return type(self), (str(self), self.path, self.replica), self.__dict__
 
 
+class ReplicaStateError(RuntimeError):
+    """State that a step changed inside the replicas cannot be put back into the module as one device would have it.
+
+    Replicas are threads, each with its own copy of what a step may change (torchmetrics metrics, plain Python lists,
+    dicts and sets); after the step the copies go back into the module in batch order where that is exact, and this
+    error stops the run where it is not.
+
+    Attributes:
+        path: the attribute path of the state, as written in the step (``"self.val_outputs"``,
+            ``"self.metrics['acc']"``).
+        step: the method the replicas ran (``"training_step"``, ``"forward"``).
+    """
+
+    def __init__(self, message: str, path: str, step: str) -> None:
+        super().__init__(message)
+        self.path = path
+        self.step = step
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (str(self), self.path, self.step), self.__dict__
+
+
 class ConfigurationError(ValueError):
     """A strategy was configured in a way that cannot work.
 

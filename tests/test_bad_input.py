@@ -135,8 +135,20 @@ COVERED_ELSEWHERE = {
     "a replica that raises": (
         "tests/test_torch_data_parallel.py::test_a_replicas_exception_reaches_the_caller_with_its_replica"
     ),
-    "torchmetrics Metric logged in a replica": (
-        "tests/test_dp.py::test_logging_a_metric_object_from_a_replica_explains_the_fix"
+    "a torchmetrics metric that cannot be merged, updated in a replica": (
+        "tests/test_replica_state.py::test_a_metric_that_cannot_be_merged_stops_the_first_step_before_any_parameter_changes"
+    ),
+    "compute() or reset() of a metric in a replica": (
+        "tests/test_replica_state.py::test_compute_or_reset_inside_a_replica_is_refused_with_the_fix"
+    ),
+    "a replica's loss appended to a list": (
+        "tests/test_replica_state.py::test_appending_a_replicas_loss_to_a_list_is_refused_naming_the_list"
+    ),
+    "a dict written to or a plain tensor changed in place in a replica": (
+        "tests/test_replica_state.py::test_writing_to_a_dict_or_changing_a_plain_tensor_in_place_is_refused"
+    ),
+    "an integer 0-dim output without *_step_end": (
+        "tests/test_lightning1x.py::test_an_integer_output_without_step_end_is_refused_naming_it"
     ),
     "manual_backward in a replica": "tests/test_dp.py::test_manual_backward_inside_a_replica_is_refused_with_the_fix",
     "StopIteration in a replica": "tests/test_dp.py::test_stop_iteration_in_a_step_stops_training_with_an_error",

@@ -152,23 +152,6 @@ def test_log_reduce_fx_combines_across_replicas() -> None:
     assert metrics["index_mean"].item() == pytest.approx(2 / 5)
 
 
-def test_logging_a_metric_object_from_a_replica_explains_the_fix() -> None:
-    import torchmetrics
-
-    class MetricInReplica(Regressor):
-        def __init__(self) -> None:
-            super().__init__()
-            self.mse = torchmetrics.MeanSquaredError()
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            self.mse(self(batch[0]), batch[1])
-            self.log("mse", self.mse)
-            return super().training_step(batch, batch_idx)
-
-    with pytest.raises(TypeError, match=r"inside replica \d.*\*_step_end"):
-        _fit(MetricInReplica(), 5, devices=2, strategy="mgpu_dp", max_steps=1)
-
-
 def test_validate_and_test_with_step_end_match_single_device() -> None:
     data = loader(regression_data(), 5)
     for name, run in [("val_loss", "validate"), ("test_loss", "test")]:

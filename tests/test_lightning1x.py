@@ -399,15 +399,18 @@ def test_multi_gpu_model_dp(tmp_path: Path) -> None:
 
 
 class _ExtraOutputs(_Boring):
-    """Adds an int and a float that name the replica to every step's output, and records what Lightning gets."""
+    """Adds a float that names the replica to every step's output (and an int, if asked), and records what Lightning
+    gets."""
 
-    def __init__(self) -> None:
+    def __init__(self, with_int: bool = False) -> None:
         super().__init__()
+        self.with_int = with_int
         self.received: dict[str, Any] = {}
 
     def _with_extras(self, output: dict[str, Any]) -> dict[str, Any]:
-        output["reduce_int"] = torch.tensor(self.replica_index, dtype=torch.int, device=self.device)
         output["reduce_float"] = torch.tensor(self.replica_index, dtype=torch.float, device=self.device)
+        if self.with_int:
+            output["reduce_int"] = torch.tensor(self.replica_index, dtype=torch.int, device=self.device)
         return output
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> Any:
@@ -430,20 +433,33 @@ class _ExtraOutputs(_Boring):
 
 
 def test_dp_training_step_dict() -> None:
-    """strategies/test_dp.py: without ``*_step_end`` only the training loss is reduced; the rest stays gathered."""
+    """strategies/test_dp.py: without ``*_step_end`` every 0-dim output is one value, as 1.x's validation reduced all.
+
+    1.x reduced only the training loss and left other training outputs per device; here every 0-dim float is the
+    mean weighted by each replica's rows (batches of 2 rows: one each, so the plain mean), in every loop.
+    """
     model = _ExtraOutputs()
     run = trainer(devices=2, strategy="dp", fast_dev_run=True)
     run.fit(model)
     run.test(model, verbose=False)
     received = model.received
     assert received["train"]["loss"].shape == torch.Size([])
-    assert received["val"]["x"].shape == torch.Size([2])
-    assert received["test"]["y"].shape == torch.Size([2])
+    assert received["val"]["x"].shape == torch.Size([])
+    assert received["test"]["y"].shape == torch.Size([])
     for outputs in received.values():
-        assert torch.equal(outputs["reduce_int"], torch.tensor([0, 1], dtype=torch.int))
-        assert outputs["reduce_int"].dtype is torch.int
-        assert torch.equal(outputs["reduce_float"], torch.tensor([0.0, 1.0]))
+        assert torch.equal(outputs["reduce_float"], torch.tensor(0.5))
         assert outputs["reduce_float"].dtype is torch.float
+
+
+@pytest.mark.parametrize("run", ["fit", "test"])
+def test_an_integer_output_without_step_end_is_refused_naming_it(run: str) -> None:
+    """1.x averaged an int in float and cast it back; a count is no mean, so mgpu_dp stops and names it."""
+    model = _ExtraOutputs(with_int=True)
+    with pytest.raises(GatherError) as caught:
+        getattr(trainer(devices=2, strategy="dp", fast_dev_run=True), run)(model)
+    assert caught.value.path == "output['reduce_int']"
+    hook = "training_step_end" if run == "fit" else "test_step_end"
+    assert hook in str(caught.value)
 
 
 def test_dp_batch_not_moved_to_device_explicitly() -> None:

@@ -1,4 +1,4 @@
-"""Scatter, replicate, parallel apply, gather: one data-parallel call of a module method."""
+"""Scatter, replicate, parallel apply, settle, gather: one data-parallel call of a module method."""
 
 from __future__ import annotations
 
@@ -152,7 +152,9 @@ class MGPUDataParallel(nn.Module):
         scattered = self.scatter(inputs, kwargs)
         replicas = self.replicate(self._modules["module"], scattered.devices)  # type: ignore[arg-type]
         outputs = self.parallel_apply(replicas, scattered.calls, scattered.devices)
-        return self.gather(outputs, scattered.sizes if inputs or kwargs else None, "forward")
+        sizes = scattered.sizes if inputs or kwargs else None
+        self.settle(sizes, "forward")
+        return self.gather(outputs, sizes, "forward")
 
     def scatter(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Scattered:
         """Split ``forward``'s positional and keyword inputs as one batch (see ``lightning_mgpu.engine.scatter``).
@@ -194,8 +196,7 @@ class MGPUDataParallel(nn.Module):
         ``method=None`` calls the replica itself, so its forward hooks run once per replica, as in
         ``torch.nn.DataParallel``; otherwise ``replica.<method>`` is called. ``context`` is entered in each replica
         thread around the call, as ``context()``. BatchNorm layers exchange their batch statistics here (see
-        ``sync_batchnorm``), and buffers that replica 0 reassigned are stored on the module afterwards, as its
-        in-place updates are.
+        ``sync_batchnorm``). ``settle`` then puts back into the module what the replicas changed.
         """
         replicas = list(replicas)
         devices = list(devices)
@@ -204,13 +205,42 @@ class MGPUDataParallel(nn.Module):
             _bind(replica if method is None else getattr(replica, method), args, kwargs, exchange, index, replica)
             for index, (replica, (args, kwargs)) in enumerate(zip(replicas, calls, strict=True))
         ]
+        self._replicate.begin(method)
         outputs = self._apply_in_threads(bound, devices, context)
         if exchange is not None:
             self._batch_statistics.record(method, exchange)
-        self._replicate.keep_reassigned_buffers()
-        if devices[0] != self.root_device:
-            self._return_buffers_to_root()
         return outputs
+
+    def settle(self, sizes: Sequence[int] | None, method: str = "forward") -> None:
+        """Put back into the module what the replicas of the last ``parallel_apply`` changed, in batch order.
+
+        Each replica ran with copies of its own of the module's torchmetrics metrics and of the plain lists, dicts
+        and sets of the model's own code (see ``lightning_mgpu.engine.replicate``): the metrics merge their copies'
+        states, lists gain what every replica appended (one gathered item per append) and sets what they added;
+        other changes raise ``lightning_mgpu.ReplicaStateError``. Buffers that replica 0 reassigned are stored on
+        the module, as its in-place updates are.
+
+        Args:
+            sizes: the rows each replica received (``Scattered.sizes``); without them no append can be joined.
+            method: the method the replicas ran, named in errors.
+        """
+        self._replicate.settle(sizes, self.output_device, method)
+        devices = self._replicate.devices
+        if devices and devices[0] != self.root_device:
+            self._return_buffers_to_root()
+
+    def assigned_attributes(self, ignore: frozenset[str] = frozenset()) -> list[str]:
+        """The public plain attributes that replica 0 of the last call assigned, which are dropped after it."""
+        return self._replicate.assigned_attributes(ignore)
+
+    def resolve_logged(self, value: Any, replica: int) -> tuple[nn.Module | None, Any] | None:
+        """What ``value``, logged by ``replica`` in the last call, is on one device, if a torchmetrics metric made it.
+
+        Returns ``(metric, None)`` for a replica's copy of one of the module's metrics (the module's own metric),
+        ``(None, value)`` for a tensor that calling a metric returned (one device's value of that call), and
+        ``None`` for anything else.
+        """
+        return self._replicate.resolve(value, replica)
 
     def _forward_on_root(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         module = self._modules["module"]
@@ -244,11 +274,13 @@ class MGPUDataParallel(nn.Module):
         """Call ``replica.<method>(chunk, *args, **kwargs)`` on every replica in parallel: the four phases in one.
 
         ``scatter_batch`` splits ``batch`` alone, ``replicate`` and ``parallel_apply`` run the method (``context``
-        entered in each replica thread), and the outputs come back ungathered, with the rows each replica received.
+        entered in each replica thread), ``settle`` puts back what the replicas changed, and the outputs come back
+        ungathered, with the rows each replica received.
         """
         scattered = self.scatter_batch(batch, args, kwargs)
         replicas = self.replicate(self._modules["module"], scattered.devices)  # type: ignore[arg-type]
         outputs = self.parallel_apply(replicas, scattered.calls, scattered.devices, method, context)
+        self.settle(scattered.sizes, method)
         return ReplicaOutputs(outputs, scattered.sizes, replicas)
 
     def _return_buffers_to_root(self) -> None:

@@ -10,6 +10,11 @@ built on a GPU.
 ``torch.nn.DataParallel`` builds every replica module anew on every step. ``ReplicaCache`` keeps the replica objects
 between steps and only re-points them at the module's current attributes, parameters and buffers, which costs a
 fraction of rebuilding them (see benchmarks/README.md).
+
+What a step may change besides parameters and buffers is never shared between replicas: each replica has its own copy
+of every torchmetrics metric (``lightning_mgpu.engine.metrics``) and of the plain lists, dicts and sets of the model's
+own code (``lightning_mgpu.engine.containers``), and ``ReplicaCache.settle`` puts what they changed back into the
+module after the call, in batch order, or refuses it.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ import torch
 from torch import nn
 
 from lightning_mgpu import _compat
+from lightning_mgpu.engine.containers import Isolated, combine, isolate
+from lightning_mgpu.engine.metrics import MetricReplicas, metric_units
+from lightning_mgpu.library_code import is_library_class, kept_by_library
 
 
 class ReplicaCache:
@@ -37,12 +45,19 @@ class ReplicaCache:
 
     def __init__(self) -> None:
         self._structure: _Structure | None = None
+        self._structures: dict[tuple[torch.device, ...], _Structure] = {}
         self._kept_buffers: list[tuple[nn.Module, nn.Module]] = []
+        self._isolated: list[Isolated] = []
 
     @property
     def structure(self) -> object:
         """Changes whenever the module's structure or the devices change, so callers can cache what depends on it."""
         return None if self._structure is None else self._structure.key
+
+    @property
+    def devices(self) -> tuple[torch.device, ...]:
+        """The devices of the last call's replicas, in order; empty before the first."""
+        return () if self._structure is None else self._structure.devices
 
     def __getstate__(self) -> dict[str, object]:
         """The shells hold views with autograd history, which cannot be copied; a copy starts with no shells."""
@@ -69,19 +84,72 @@ class ReplicaCache:
         """
         originals = modules_of(module)
         devices = tuple(devices)
-        structure = self._structure
-        if structure is None or structure.devices != devices or not _same_objects(structure.originals, originals):
-            structure = self._structure = _Structure(originals, devices)
+        structure = self._structures.get(devices)
+        if structure is None or not _same_objects(structure.originals, originals):
+            if structure is not None:
+                self._structures.clear()  # the module changed: no structure of it is current any more
+            structure = self._structures[devices] = _Structure(originals, devices)
+        self._structure = structure
         root = devices[0]
         on_root = all_on(originals, root)
         if not on_root and misplaced is not None:
             misplaced()
         replicas = []
         self._kept_buffers = []
+        self._isolated = [Isolated() for _ in devices] if structure.isolates else []
         for index, device in enumerate(devices):
             kept = self._kept_buffers if index == 0 else None
-            replicas.append(structure.refresh(index, device, on_root and device == root, kept))
+            isolated = self._isolated[index] if self._isolated else None
+            replicas.append(structure.refresh(index, device, on_root and device == root, kept, isolated))
+        if structure.metrics is not None:
+            structure.metrics.start()
         return replicas
+
+    def begin(self, method: str | None) -> None:
+        """Name the call that the replicas of the last ``__call__`` are about to run (``None``: forward)."""
+        structure = self._structure
+        if structure is not None and structure.metrics is not None:
+            structure.metrics.name(method)
+
+    def settle(self, sizes: Sequence[int] | None, device: torch.device, method: str | None) -> None:
+        """Put back into the module what the replicas of the last call changed, in batch order, or refuse it.
+
+        Torchmetrics metrics merge their copies' states (``lightning_mgpu.engine.metrics``), lists gain what every
+        replica appended and sets what they added (``lightning_mgpu.engine.containers``), and buffers that replica 0
+        reassigned are stored on the module, as its in-place updates are.
+
+        Args:
+            sizes: the rows each replica received, in batch order.
+            device: where appended items are gathered.
+            method: the method the replicas ran (``None``: forward), for messages.
+        """
+        structure = self._structure
+        if structure is not None and structure.metrics is not None:
+            structure.metrics.settle(len(structure.devices))
+        if self._isolated:
+            combine(self._isolated, sizes, device, method or "forward")
+        self.keep_reassigned_buffers()
+
+    def resolve(self, value: Any, replica: int) -> tuple[nn.Module | None, Any] | None:
+        """What ``value``, logged by replica ``replica`` in the last call, is on one device, if a metric made it.
+
+        See ``lightning_mgpu.engine.metrics.MetricReplicas.resolve``.
+        """
+        structure = self._structure
+        if structure is None or structure.metrics is None:
+            return None
+        return structure.metrics.resolve(value, replica)
+
+    def assigned_attributes(self, ignore: frozenset[str]) -> list[str]:
+        """The public plain attributes that replica 0 of the last call (or a module inside it) assigned, as paths.
+
+        They live on the replica only and are gone after the call; names starting with ``_`` and those in ``ignore``
+        are bookkeeping of torch, Lightning or the caller, not state the model meant to keep, and so is an attribute
+        that the module's own library code recomputes (a torch hook's weight, torchvision's anchor cache). The
+        copies a replica is given of metrics and containers are not assignments.
+        """
+        structure = self._structure
+        return [] if structure is None else structure.assigned_attributes(ignore)
 
     def keep_reassigned_buffers(self) -> None:
         """Store on the module the buffers that replica 0 of the last call reassigned (``self.count = self.count + 1``).
@@ -109,9 +177,34 @@ class _Structure:
         self.all_reusable = all(self.reusable)
         self.compiled_wrapper = [_compat.is_compiled_wrapper(original) for original in originals]
         self.shells = [[_shell(original) for original in originals] for _ in devices]
+        self.names = _names_of(originals[0])
+        # A metric binds update and compute to itself, so even a replica running alone needs a copy of its own; a
+        # replica running alone shares its containers with no other, so it gets no copies of them.
+        parallel = len(devices) > 1
+        units = metric_units(originals)
+        self.metrics = MetricReplicas(units, devices, [self.names[id(unit)] for unit in units]) if units else None
+        self.in_metrics = [False] * len(originals)
+        if self.metrics is not None:
+            for index in range(len(devices)):
+                for original_id, copied in self.metrics.copies_of(index).items():
+                    self.shells[index][self.position[original_id]] = copied
+                    self.in_metrics[self.position[original_id]] = True
+        self.own_code = [
+            position
+            for position, original in enumerate(originals)
+            if parallel and not self.in_metrics[position] and not is_library_class(type(original))
+        ]
+        self.isolates = bool(self.own_code)
+        self._library_kept: dict[tuple[int, str], bool] = {}
+        self._isolated_names: list[set[str]] = [set() for _ in originals]
 
     def refresh(
-        self, index: int, device: torch.device, on_device: bool, kept_buffers: list[tuple[nn.Module, nn.Module]] | None
+        self,
+        index: int,
+        device: torch.device,
+        on_device: bool,
+        kept_buffers: list[tuple[nn.Module, nn.Module]] | None,
+        isolated: Isolated | None,
     ) -> nn.Module:
         """Re-point replica ``index``'s shells at the modules' current state and return the top shell.
 
@@ -124,16 +217,21 @@ class _Structure:
             shells = kept
         else:
             shells = [
-                shell if reuse else _shell(original)
-                for original, shell, reuse in zip(originals, kept, self.reusable, strict=True)
+                shell if reuse or in_metrics else _shell(original)
+                for original, shell, reuse, in_metrics in zip(
+                    originals, kept, self.reusable, self.in_metrics, strict=True
+                )
             ]
         position = self.position
         first = index == 0
         aliases: dict[int, torch.Tensor] = _aliases_of(originals) if on_device else {}
         compiled: list[tuple[nn.Module, nn.Module]] = []
-        rows = zip(originals, shells, self.reusable, self.compiled_wrapper, strict=True)
-        for original, shell, reuse, wrapper in rows:
+        rows = zip(originals, shells, self.reusable, self.compiled_wrapper, self.in_metrics, strict=True)
+        for original, shell, reuse, wrapper, in_metrics in rows:
             source = original.__dict__
+            if in_metrics:  # a metric's own copy, made once: only its parameters and buffers follow the module's
+                _follow_tensors(source, shell, device, aliases)
+                continue
             if reuse:
                 state = source.copy()  # a fresh dict: cheaper than clearing and refilling the shell's
                 object.__setattr__(shell, "__dict__", state)
@@ -164,7 +262,70 @@ class _Structure:
                 compiled.append((original, shell))
         for original, shell in compiled:
             _bind_compiled(original, shell)
+        if isolated is not None:
+            self._isolate(shells, aliases, isolated)
         return shells[0]
+
+    def _isolate(self, shells: list[nn.Module], aliases: dict[int, torch.Tensor], isolated: Isolated) -> None:
+        """Give one replica copies of the containers, and watch the plain tensors, of the model's own modules."""
+        replica_buffers: dict[int, torch.Tensor] | None = None
+        position = self.position
+
+        def remap(value: Any) -> Any:
+            nonlocal replica_buffers
+            if isinstance(value, nn.Module):
+                found = position.get(id(value))
+                return None if found is None else shells[found]
+            alias = aliases.get(id(value))
+            if alias is not None:
+                return alias
+            if replica_buffers is None:
+                replica_buffers = self._buffers_of(shells)
+            return replica_buffers.get(id(value))
+
+        for own in self.own_code:
+            state = shells[own].__dict__
+            names = [name for name, value in state.items() if _may_hold_state(value) and not self._kept(own, name)]
+            self._isolated_names[own] = set(names)
+            if names:
+                isolate(state, names, _path(self.names[id(self.originals[own])]), remap, isolated)
+
+    def _kept(self, position: int, name: str) -> bool:
+        key = (position, name)
+        kept = self._library_kept.get(key)
+        if kept is None:
+            kept = self._library_kept[key] = kept_by_library(self.originals[position], name)
+        return kept
+
+    def _buffers_of(self, shells: list[nn.Module]) -> dict[int, torch.Tensor]:
+        """Each buffer of the module, by ``id``, mapped to the replica's own."""
+        mapping: dict[int, torch.Tensor] = {}
+        for original, shell in zip(self.originals, shells, strict=True):
+            for name, buffer in original._buffers.items():
+                replica = shell._buffers.get(name)
+                if buffer is not None and replica is not None:
+                    mapping[id(buffer)] = replica
+        return mapping
+
+    def assigned_attributes(self, ignore: frozenset[str]) -> list[str]:
+        """See ``ReplicaCache.assigned_attributes``; reads replica 0's shells."""
+        assigned: list[str] = []
+        for position, (original, shell) in enumerate(zip(self.originals, self.shells[0], strict=True)):
+            if self.in_metrics[position]:
+                continue
+            state = original.__dict__
+            isolated = self._isolated_names[position]
+            prefix = self.names[id(original)]
+            assigned.extend(
+                f"{prefix}.{name}" if prefix else name
+                for name, value in shell.__dict__.items()
+                if name[0] != "_"
+                and name not in ignore
+                and name not in isolated
+                and state.get(name, _MISSING) is not value
+                and not self._kept(position, name)
+            )
+        return assigned
 
 
 def replicate(module: nn.Module, devices: Sequence[torch.device]) -> list[nn.Module]:
@@ -206,31 +367,36 @@ def all_on(modules: list[nn.Module], device: torch.device) -> bool:
     return True
 
 
-def assigned_attributes(
-    module: nn.Module, replica: nn.Module, ignore: frozenset[str], kept: Callable[[nn.Module, str], bool]
-) -> list[str]:
-    """The public plain attributes that ``replica`` (or a module inside it) assigned, as dotted paths.
-
-    They live on the replica only and are gone after the call; names starting with ``_`` and those in ``ignore``
-    are bookkeeping of torch, Lightning or the caller, not state the model meant to keep, and so is an attribute
-    for which ``kept(original_module, name)`` says that the module's own library code recomputes it (a torch hook's
-    weight, torchvision's anchor cache).
-    """
-    assigned: list[str] = []
-    for (prefix, original), shell in zip(module.named_modules(), replica.modules(), strict=True):
-        state = original.__dict__
-        assigned.extend(
-            f"{prefix}.{name}" if prefix else name
-            for name, value in shell.__dict__.items()
-            if name[0] != "_"
-            and name not in ignore
-            and state.get(name, _MISSING) is not value
-            and not kept(original, name)
-        )
-    return assigned
-
-
 _MISSING = object()
+
+
+def _may_hold_state(value: Any) -> bool:
+    """Whether an attribute's value is a container or a plain tensor, which replicas get copies of or watch."""
+    return isinstance(value, (list, tuple, dict, set, torch.Tensor))
+
+
+def _names_of(module: nn.Module) -> dict[int, str]:
+    """Each module inside ``module`` (itself included, as ``""``), by ``id``, mapped to its first attribute path."""
+    names: dict[int, str] = {}
+    for name, inner in module.named_modules(remove_duplicate=False):
+        names.setdefault(id(inner), name)
+    return names
+
+
+def _path(name: str) -> str:
+    """How the step's code names a module's attribute: ``self`` for the module, ``self.encoder`` for one inside."""
+    return f"self.{name}" if name else "self"
+
+
+def _follow_tensors(source: dict[str, Any], shell: nn.Module, device: torch.device, aliases: dict[int, Any]) -> None:
+    """Point a metric copy's parameters and buffers at the module's, as every replica's: its state is its own."""
+    if source["_parameters"]:
+        shell._parameters = _replica_parameters_of(source["_parameters"], device, aliases)  # type: ignore[assignment]
+    if source["_buffers"]:
+        shell._buffers = {
+            name: None if buffer is None else _buffer_copy(buffer, device, first=False)
+            for name, buffer in source["_buffers"].items()
+        }
 
 
 def _reusable(original: nn.Module) -> bool:

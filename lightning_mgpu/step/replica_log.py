@@ -3,6 +3,8 @@
 Lightning's result collection is not thread-safe and knows nothing of replicas, so replicas never touch it: each
 replica's ``log`` only records, and after the step the values of each name are combined (mean weighted by the rows
 each replica saw, or the ``reduce_fx`` given to ``self.log``) and handed to the real ``LightningModule.log``.
+A torchmetrics metric, or a value that calling one returned, is logged as one device logs it instead: the module's
+own metric, into which every replica's copy was merged, or one device's value of that call.
 
 ``reduce_fx`` takes exactly what ``LightningModule.log`` takes, and means the same across replicas as Lightning
 makes it mean across steps and processes.
@@ -11,7 +13,7 @@ makes it mean across steps and processes.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -20,6 +22,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torchmetrics import Metric
 
 from lightning_mgpu.engine.reduce import reduce_op_name, weighted_mean
+from lightning_mgpu.errors import ReplicaStateError
 
 
 class ReplicaLog:
@@ -32,13 +35,7 @@ class ReplicaLog:
 
     def __call__(self, name: str, value: Any, **kwargs: Any) -> None:
         """Record ``self.log(name, value, **kwargs)``, checked as ``LightningModule.log`` would check it."""
-        if isinstance(value, Metric):
-            raise TypeError(
-                f"self.log({name!r}, <{type(value).__name__}>) was called inside replica {self.index}. Under mgpu_dp"
-                " each replica updates a private copy of a torchmetrics Metric, so its state would be lost. Update"
-                " and log the metric in the matching *_step_end hook, on the gathered outputs."
-            )
-        if not isinstance(value, (torch.Tensor, numbers.Number)):
+        if not isinstance(value, (torch.Tensor, numbers.Number, Metric)):
             raise TypeError(
                 f"self.log({name!r}, ...) got a {type(value).__name__} in replica {self.index}; log a number or a"
                 " scalar tensor, or use self.log_dict for a dict."
@@ -85,7 +82,11 @@ def reduction(name: str, reduce_fx: Any, index: int) -> str:
     )
 
 
-def replay(logs: Sequence[ReplicaLog], module: pl.LightningModule, device: torch.device) -> None:
+Resolve = Callable[[Any, int], "tuple[Any, Any] | None"]
+"""``MGPUDataParallel.resolve_logged``: what a value a replica logged is on one device, if a metric made it."""
+
+
+def replay(logs: Sequence[ReplicaLog], module: pl.LightningModule, device: torch.device, resolve: Resolve) -> None:
     """Log every recorded name once on ``module``, with its values combined across the replicas that logged it."""
     by_name: dict[str, list[tuple[ReplicaLog, Any, dict[str, Any]]]] = {}
     for log in logs:
@@ -96,9 +97,37 @@ def replay(logs: Sequence[ReplicaLog], module: pl.LightningModule, device: torch
         weights = _weights(entries)
         if kwargs.get("batch_size") is not None:
             kwargs["batch_size"] = int(sum(weights))
+        one_device = _metric_value(name, entries, resolve)
+        if one_device is not None:
+            module.log(name, one_device, **kwargs)
+            continue
         values = torch.stack([_as_tensor(value, device) for _, value, _ in entries])
         combine = reduction(name, kwargs.get("reduce_fx", "mean"), entries[0][0].index)
         module.log(name, _combine(values, weights, combine), **kwargs)
+
+
+def _metric_value(name: str, entries: list[tuple[ReplicaLog, Any, dict[str, Any]]], resolve: Resolve) -> Any:
+    """The module's metric, or one device's value of a metric's call, that every replica logged as ``name``."""
+    resolved = [resolve(value, log.index) for log, value, _ in entries]
+    if all(found is None for found in resolved):
+        if any(isinstance(value, Metric) for _, value, _ in entries):
+            raise TypeError(
+                f"self.log({name!r}, <Metric>) was called inside the replicas with a metric that is not an"
+                " attribute of the LightningModule (one made inside the step, say). Lightning logs a metric by the"
+                " attribute it is kept in: assign it in __init__ (self.metric = ...) and log that."
+            )
+        return None
+    found = {id(item) for pair in resolved if pair is not None for item in pair if item is not None}
+    if any(pair is None for pair in resolved) or len(found) != 1:
+        raise ReplicaStateError(
+            f"self.log({name!r}, ...) logged a metric's value in some replicas and something else (or another"
+            " call's value) in others, so one device's value cannot be told. Log the same metric, or the value of the"
+            " same call of it, in every replica.",
+            f"self.log({name!r})",
+            "self.log",
+        )
+    metric, value = resolved[0]  # type: ignore[misc]
+    return metric if metric is not None else value
 
 
 def _as_tensor(value: Any, device: torch.device) -> torch.Tensor:

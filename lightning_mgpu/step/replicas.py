@@ -5,7 +5,8 @@ Shared by ``MGPUDPStrategy`` and the doctor, which runs the same step outside a 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import numbers
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -14,12 +15,19 @@ import torch
 from torch import nn
 
 from lightning_mgpu._compat import set_lightning_device
-from lightning_mgpu.checks import kept_by_library
 from lightning_mgpu.engine import MGPUDataParallel, weighted_mean
-from lightning_mgpu.engine.replicate import assigned_attributes, modules_of
-from lightning_mgpu.errors import ConfigurationError
+from lightning_mgpu.engine.replicate import modules_of
+from lightning_mgpu.engine.scatter import (
+    field_values,
+    is_dataclass_instance,
+    is_namedtuple,
+    rebuild_dataclass,
+    rebuild_mapping,
+    rebuild_sequence,
+)
+from lightning_mgpu.errors import ConfigurationError, GatherError
 from lightning_mgpu.step.health import StepHealth
-from lightning_mgpu.step.hooks import call_step_end, find_loss, has_step_end
+from lightning_mgpu.step.hooks import STEP_END_HOOKS, call_step_end, find_loss, has_step_end
 from lightning_mgpu.step.replica_log import ReplicaLog, replay
 
 
@@ -36,8 +44,9 @@ def run_replica_step(
 
     The first argument is the batch; ``context`` (the precision plugin's autocast) is entered in every replica
     thread. Values logged in replicas are combined and logged on ``module``; the gathered output goes to the
-    ``*_step_end`` hook, or, without one, per-replica scalar losses are combined by a mean weighted by chunk size.
-    ``health``, when given, warns about idle devices and a non-finite training loss.
+    ``*_step_end`` hook, or, without one, every 0-dim value the replicas returned is combined into one by a mean
+    weighted by chunk size (``combine_scalars``). ``health``, when given, warns about idle devices and a non-finite
+    training loss.
     """
     if not args:
         raise ConfigurationError(
@@ -56,17 +65,17 @@ def run_replica_step(
         for index, (replica, device, rows) in enumerate(zip(replicas, scattered.devices, scattered.sizes, strict=True))
     ]
     outputs = wrapper.parallel_apply(replicas, scattered.calls, scattered.devices, step, context)
-    replay(logs, module, wrapper.root_device)
+    wrapper.settle(scattered.sizes, step)
+    replay(logs, module, wrapper.root_device, wrapper.resolve_logged)
     if health is not None and health.wants(f"attributes in {step}"):
-        assigned = assigned_attributes(module, replicas[0], _SET_BY_PREPARE, kept_by_library)
-        health.check_assigned(assigned, step)
+        health.check_assigned(wrapper.assigned_attributes(_SET_BY_PREPARE), step)
     gathered = wrapper.gather(outputs, scattered.sizes, step)
     if has_step_end(module, step):
         result = call_step_end(module, step, gathered)
     elif step == "predict_step":
         return gathered
     else:
-        result = _reduce_loss(outputs, scattered.sizes, gathered)
+        result = combine_scalars(outputs, scattered.sizes, gathered, step)
     if health is not None and step == "training_step":
         health.check_rows(sum(scattered.sizes), len(wrapper.devices))
         losses = [find_loss(output)[1] for output in outputs]
@@ -75,7 +84,7 @@ def run_replica_step(
 
 
 LOSS_WEIGHT = "loss_weight"
-"""The key next to ``"loss"`` that states the count a replica's loss is a mean over (see ``_reduce_loss``)."""
+"""The key next to ``"loss"`` that states the count a replica's loss is a mean over (see ``combine_scalars``)."""
 
 _ABSENT = object()
 
@@ -121,28 +130,81 @@ def _refuse_manual_backward(*args: Any, **kwargs: Any) -> None:
     )
 
 
-def _reduce_loss(outputs: list[Any], sizes: list[int], gathered: Any) -> Any:
-    """Without a ``*_step_end`` hook, combine per-replica scalar losses into the single-device loss.
+def combine_scalars(outputs: list[Any], sizes: list[int], gathered: Any, step: str) -> Any:
+    """Without a ``*_step_end`` hook, make each 0-dim value the replicas returned one value, one device's.
 
-    Each replica's loss is weighted by its rows, or by the ``"loss_weight"`` it returned next to ``"loss"`` (the
-    count its loss is a mean over: tokens, unmasked positions), which makes the combination exact for such means.
+    A replica's 0-dim floating tensor or float is its chunk's value. A mean over the rows, such as a loss, becomes
+    one device's by a mean weighted by the rows each replica received; the ``"loss"`` of a dict that holds a
+    ``"loss_weight"`` next to it (the count the loss is a mean over: tokens, unmasked positions) is weighted by that
+    instead, and the counts are added. Tensors with rows stay gathered. An integer or boolean 0-dim value (a count,
+    a flag) is no mean, and is refused with its key path.
+
+    Raises:
+        GatherError: for an integer or boolean 0-dim value.
+        ConfigurationError: for a ``"loss_weight"`` that is not one number per replica.
     """
-    if all(isinstance(output, torch.Tensor) and output.dim() == 0 for output in outputs):
-        return weighted_mean(gathered, sizes)
-    if all(isinstance(output, dict) and _is_scalar(output.get("loss")) for output in outputs):
-        if LOSS_WEIGHT not in gathered:  # gathering checked that every replica returned the same keys
-            gathered["loss"] = weighted_mean(gathered["loss"], sizes)
-            return gathered
-        weights = gathered[LOSS_WEIGHT]
-        if not (isinstance(weights, torch.Tensor) and weights.dim() == 1 and len(weights) == len(outputs)):
+    if isinstance(gathered, Mapping) and LOSS_WEIGHT in gathered and _is_scalar(outputs[0].get("loss")):
+        counts = gathered[LOSS_WEIGHT]
+        if not (isinstance(counts, torch.Tensor) and counts.dim() == 1 and len(counts) == len(outputs)):
             raise ConfigurationError(
-                f"training_step's {LOSS_WEIGHT!r} must be a number or a 0-dim tensor (the count the loss is a mean"
-                f" over), but the replicas returned {weights!r}.",
-                setting="LightningModule.training_step",
+                f"{step}'s {LOSS_WEIGHT!r} must be a number or a 0-dim tensor (the count the loss is a mean"
+                f" over), but the replicas returned {counts!r}.",
+                setting=f"LightningModule.{step}",
             )
-        gathered["loss"] = weighted_mean(gathered["loss"], weights)
-        gathered[LOSS_WEIGHT] = weights.sum()
+        combined = {
+            key: _combine([output[key] for output in outputs], value, sizes, step, f"output[{key!r}]")
+            for key, value in gathered.items()
+            if key not in ("loss", LOSS_WEIGHT)
+        }
+        combined["loss"] = weighted_mean(gathered["loss"], counts)
+        combined[LOSS_WEIGHT] = counts.sum()
+        return rebuild_mapping(gathered, [(key, combined[key]) for key in gathered])
+    return _combine(outputs, gathered, sizes, step, "output")
+
+
+def _combine(values: list[Any], gathered: Any, sizes: list[int], step: str, path: str) -> Any:
+    """``combine_scalars`` for one key path: ``values`` are the replicas' own, ``gathered`` what gathering made."""
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        if first.dim() != 0:
+            return gathered
+        if first.is_floating_point() or first.is_complex():
+            return weighted_mean(gathered, sizes)
+        raise _count_error(path, step, f"a 0-dim {first.dtype} tensor")
+    if isinstance(first, (bool, numbers.Integral)):
+        raise _count_error(path, step, f"a Python {type(first).__name__}")
+    if isinstance(first, numbers.Real):
+        return sum(float(value) * rows for value, rows in zip(values, sizes, strict=True)) / sum(sizes)
+    if isinstance(first, Mapping) and isinstance(gathered, Mapping):
+        items = [
+            (key, _combine([value[key] for value in values], item, sizes, step, f"{path}[{key!r}]"))
+            for key, item in gathered.items()
+        ]
+        return rebuild_mapping(gathered, items)
+    if is_dataclass_instance(first) and is_dataclass_instance(gathered):
+        fields = [
+            (name, _combine([getattr(value, name) for value in values], item, sizes, step, f"{path}.{name}"))
+            for name, item in field_values(gathered)
+        ]
+        return rebuild_dataclass(gathered, fields)
+    same_type = isinstance(first, (list, tuple)) and type(gathered) is type(first)
+    if same_type and all(len(value) == len(gathered) for value in values):  # not concatenated as one item per row
+        items = [
+            _combine([value[index] for value in values], item, sizes, step, f"{path}[{index}]")
+            for index, item in enumerate(gathered)
+        ]
+        return type(gathered)(*items) if is_namedtuple(gathered) else rebuild_sequence(gathered, items)
     return gathered
+
+
+def _count_error(path: str, step: str, kind: str) -> GatherError:
+    return GatherError(
+        f"{path} is {kind} in each replica. Without {STEP_END_HOOKS[step]}, mgpu_dp combines a step's 0-dim values"
+        " into one by their mean weighted by each replica's rows, which is one device's value for a mean over the"
+        " rows, but a count or a flag is not a mean. Return a float mean or one value per row, or define"
+        f" {STEP_END_HOOKS[step]} and combine the replicas' values (one per replica) there.",
+        path,
+    )
 
 
 def _is_scalar(value: Any) -> bool:

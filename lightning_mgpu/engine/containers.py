@@ -1,0 +1,232 @@
+"""Plain Python state inside replicas: each replica gets copies of the module's lists, dicts and sets.
+
+Replicas are threads that share whatever their module's attributes point to. A step that appends to ``self.outputs``
+would append every replica's rows to one list, in whatever order the threads ran. So before a call, each replica gets
+its own copy of every list, dict, set and tuple that the model's own code keeps in an attribute (a library's are the
+library's to handle: ``lightning_mgpu.library_code``), nested ones included, with the modules, parameters and buffers
+inside replaced by the replica's own. After the call, in the calling thread, each copy is compared with what it held:
+
+- a list to which every replica appended the same number of items, each holding rows of the replica's chunk only
+  (tensors with its rows, or containers of them), gets the items gathered across the replicas in batch order, one
+  per append, which is what one device appends for the whole batch;
+- a set that the replicas only added to gets their additions, whatever their order;
+- anything else changed (another append, a dict written to, an item replaced or removed) raises
+  ``ReplicaStateError`` naming the attribute and the fix, and so does a plain tensor attribute changed in place,
+  which every replica shares.
+
+Reassigned attributes (``self.count += 1``) live on the replica alone and are dropped after the call, as with
+``torch.nn.DataParallel``; the ``mgpu_dp`` strategy warns about them.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_mgpu._compat import version_counter
+from lightning_mgpu.engine.gather import gather
+from lightning_mgpu.engine.scatter import PerSample, is_dataclass_instance
+from lightning_mgpu.errors import ReplicaStateError
+
+Remap = Callable[[Any], Any]
+"""The replica's own counterpart of a module, parameter or buffer of the module, or ``None`` for anything else."""
+
+_MUTABLE = (list, dict, set)
+_ATOMS = (str, bytes, int, float, bool, type(None))
+_FIX = (
+    "Return the values from the step instead: the matching *_step_end hook receives every replica's, gathered in"
+    " batch order, and there self is the module itself"
+)
+
+
+class Isolated:
+    """What one replica was given in place of the module's containers and plain tensors, to compare after the call."""
+
+    def __init__(self) -> None:
+        self.lists: list[tuple[str, list[Any], list[Any], list[Any]]] = []
+        """(path, the module's list, the replica's copy, what the copy held when given)."""
+        self.sets: list[tuple[str, set[Any], set[Any], set[Any]]] = []
+        self.dicts: list[tuple[str, dict[Any, Any], dict[Any, Any], dict[Any, Any]]] = []
+        self.tensors: list[tuple[str, torch.Tensor, int]] = []
+        """(path, a plain tensor every replica shares, its version counter when given)."""
+
+
+def isolate(state: dict[str, Any], names: Sequence[str], prefix: str, remap: Remap, into: Isolated) -> None:
+    """Replace, in a replica's ``state`` (its instance dict), the containers of attributes ``names`` by copies.
+
+    ``prefix`` is the module's path (``"self"``, ``"self.encoder"``); ``remap`` gives the replica's own module,
+    parameter or buffer for the module's.
+    """
+    for name in names:
+        value = state[name]
+        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+            replica = remap(value)
+            if replica is None:
+                into.tensors.append((f"{prefix}.{name}", value, version_counter(value)))
+                continue
+        state[name] = _copy(value, f"{prefix}.{name}", remap, into, 0)
+
+
+_DEPTH = 6
+"""How deep containers are copied; deeper ones are shared, as everything else an attribute points to is."""
+
+
+def _copy(value: Any, path: str, remap: Remap, into: Isolated, depth: int) -> Any:
+    if isinstance(value, _ATOMS):
+        return value
+    if isinstance(value, (nn.Module, torch.Tensor)):
+        replica = remap(value)
+        return value if replica is None else replica
+    if depth > _DEPTH or isinstance(value, PerSample):
+        return value
+    if isinstance(value, list):
+        copied = copy.copy(value)
+        for index, item in enumerate(value):
+            if not isinstance(item, _ATOMS):
+                new = _copy(item, f"{path}[{index}]", remap, into, depth + 1)
+                if new is not item:
+                    copied[index] = new
+        into.lists.append((path, value, copied, list(copied)))
+        return copied
+    if isinstance(value, dict):
+        mapping = copy.copy(value)
+        for key, item in value.items():
+            if not isinstance(item, _ATOMS):
+                new = _copy(item, f"{path}[{key!r}]", remap, into, depth + 1)
+                if new is not item:
+                    mapping[key] = new
+        into.dicts.append((path, value, mapping, dict(mapping)))
+        return mapping
+    if isinstance(value, set):
+        members = copy.copy(value)
+        into.sets.append((path, value, members, set(members)))
+        return members
+    if isinstance(value, tuple):
+        items = [_copy(item, f"{path}[{index}]", remap, into, depth + 1) for index, item in enumerate(value)]
+        if all(new is old for new, old in zip(items, value, strict=True)):
+            return value
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value
+
+
+def combine(replicas: Sequence[Isolated], sizes: Sequence[int] | None, device: torch.device, step: str) -> None:
+    """Put back into the module, in batch order, what the replicas changed in their copies, or refuse it.
+
+    Args:
+        replicas: what each replica that ran was given, in batch order.
+        sizes: the rows each replica received; without them no append can be shown to hold rows.
+        device: where appended items are gathered.
+        step: the method the replicas ran, for messages.
+    """
+    for column in zip(*(replica.tensors for replica in replicas), strict=True):
+        path, tensor, version = column[0]
+        if version_counter(tensor) != version:
+            raise ReplicaStateError(
+                f"{step} changed {path} in place inside the replicas. It is a plain tensor attribute, neither a"
+                " parameter nor a buffer, so every replica changed the one tensor, in whatever order their threads"
+                " ran. Register it as a buffer (self.register_buffer), whose changes replica 0 keeps as on one"
+                f" device for values the whole batch shares, or change it after the step. {_FIX}.",
+                path,
+                step,
+            )
+    for column in zip(*(replica.dicts for replica in replicas), strict=True):
+        path = column[0][0]
+        if any(not _same_items(copied, given) for _, _, copied, given in column):
+            raise ReplicaStateError(
+                f"{step} wrote to the dict {path} inside the replicas. Each replica has a copy of its own, and what"
+                " one device would have written for the whole batch cannot be told from the replicas' rows."
+                f" {_FIX}.",
+                path,
+                step,
+            )
+    for column in zip(*(replica.sets for replica in replicas), strict=True):
+        path, original = column[0][0], column[0][1]
+        if any(not given <= copied for _, _, copied, given in column):
+            raise ReplicaStateError(
+                f"{step} removed items from the set {path} inside the replicas, where each has a copy of its own."
+                f" {_FIX}.",
+                path,
+                step,
+            )
+        for _, _, copied, given in column:
+            original.update(copied - given)
+    for column in zip(*(replica.lists for replica in replicas), strict=True):
+        _combine_appends(column, sizes, device, step)
+
+
+def _combine_appends(
+    column: Sequence[tuple[str, list[Any], list[Any], list[Any]]],
+    sizes: Sequence[int] | None,
+    device: torch.device,
+    step: str,
+) -> None:
+    path, original = column[0][0], column[0][1]
+    appended = []
+    for _, _, copied, given in column:
+        if len(copied) < len(given) or any(new is not old for new, old in zip(copied, given, strict=False)):
+            raise ReplicaStateError(
+                f"{step} replaced or removed items of the list {path} inside the replicas, where each has a copy of"
+                f" its own. {_FIX}.",
+                path,
+                step,
+            )
+        appended.append(copied[len(given) :])
+    counts = [len(items) for items in appended]
+    if not any(counts):
+        return
+    if len(set(counts)) > 1 or sizes is None:
+        raise ReplicaStateError(
+            f"{step} appended {counts} items to {path} in the replicas, so one device's appends for the whole batch"
+            f" cannot be rebuilt from them. {_FIX}.",
+            path,
+            step,
+        )
+    for position in range(counts[0]):
+        items = [items[position] for items in appended]
+        for replica, (item, rows) in enumerate(zip(items, sizes, strict=True)):
+            odd = _not_rows(item, rows, f"{path}[-1]")
+            if odd is not None:
+                raise ReplicaStateError(
+                    f"{step} appended to {path} inside the replicas, and in replica {replica} {odd}. Each replica"
+                    f" sees {rows} of the batch's rows, so only values with one entry per row (tensors whose first"
+                    " size is the replica's rows, or dicts, lists and tuples of them) can be joined into what one"
+                    f" device appends for the whole batch; a loss or a count of the replica's rows cannot. {_FIX}, or"
+                    " append per-row values.",
+                    path,
+                    step,
+                )
+        original.append(gather(items, device, sizes, path=f"{path}[-1]"))
+
+
+def _not_rows(item: Any, rows: int, path: str) -> str | None:
+    """Why ``item`` holds something other than values with one entry per row, or ``None`` when it holds only them."""
+    if item is None:
+        return None
+    if isinstance(item, torch.Tensor):
+        if item.dim() == 0 or item.shape[0] != rows:
+            return f"{path} is a tensor of shape {tuple(item.shape)}"
+        return None
+    if isinstance(item, PerSample):
+        return None if len(item) == rows else f"{path} is a PerSample of {len(item)} items"
+    if isinstance(item, Mapping):
+        values: list[tuple[str, Any]] = [(f"{path}[{key!r}]", value) for key, value in item.items()]
+    elif is_dataclass_instance(item):
+        values = [(f"{path}.{field.name}", getattr(item, field.name)) for field in dataclasses.fields(item)]
+    elif isinstance(item, (list, tuple)):
+        values = [(f"{path}[{index}]", value) for index, value in enumerate(item)]
+    else:
+        return f"{path} is a {type(item).__name__} ({item!r:.40})"
+    for inner_path, value in values:
+        odd = _not_rows(value, rows, inner_path)
+        if odd is not None:
+            return odd
+    return None
+
+
+def _same_items(copied: dict[Any, Any], given: dict[Any, Any]) -> bool:
+    return copied.keys() == given.keys() and all(copied[key] is value for key, value in given.items())

@@ -1,0 +1,518 @@
+"""What a step changes besides parameters and buffers, inside ``mgpu_dp``'s replicas: torchmetrics and plain state.
+
+Replicas are threads. Each has its own copy of the module's metrics and of the plain lists, dicts and sets of the
+model's own code; after the step they go back into the module in batch order, through torchmetrics' ``merge_state``
+for metrics, or the run stops with ``ReplicaStateError``. Every comparison runs the mgpu_dp side twice: a result must
+not depend on which thread ran first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torchmetrics
+from models import assert_same_parameters, parameters, trainer
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics import classification, retrieval, wrappers
+
+from lightning_mgpu import MGPUDataParallel, MGPUMixin, ReplicaStateError, check_model
+from lightning_mgpu.engine import replicate
+
+CPU2 = [torch.device("cpu")] * 2
+ROWS, BATCH = 23, 5  # chunks of 3 + 2 and 2 + 2 + 1 rows, and a last batch of 3
+
+
+def _data(seed: int = 0) -> DataLoader:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(ROWS, 4, generator=generator, dtype=torch.float64)
+    y = torch.randint(0, 3, (ROWS,), generator=generator)
+    query = torch.arange(ROWS) // 3  # retrieval: three documents per query, queries cut by the chunks
+    relevant = torch.randint(0, 2, (ROWS,), generator=generator)
+    return DataLoader(TensorDataset(x, y, query, relevant), batch_size=BATCH)
+
+
+def _metrics() -> dict[str, nn.Module]:
+    """One of each kind of state: sums, means, lists (in order), maxima, compute groups, a wrapper, retrieval."""
+    return {
+        "accuracy": classification.MulticlassAccuracy(3, average="macro"),
+        "auroc": classification.MulticlassAUROC(3),
+        "cat": torchmetrics.CatMetric(),
+        "mean": torchmetrics.MeanMetric(),
+        "sum": torchmetrics.SumMetric(),
+        "scores": torchmetrics.MetricCollection(
+            {
+                "precision": classification.MulticlassPrecision(3),
+                "recall": classification.MulticlassRecall(3),
+                "f1": classification.MulticlassF1Score(3),
+            }
+        ),
+        "classwise": wrappers.ClasswiseWrapper(classification.MulticlassAccuracy(3, average=None)),
+        "mrr": retrieval.RetrievalMRR(),
+        "psnr": torchmetrics.image.PeakSignalNoiseRatio(data_range=1.0),
+    }
+
+
+def _arguments(name: str, logits: torch.Tensor, batch: Any) -> tuple[Any, ...]:
+    _, y, query, relevant = batch
+    probabilities = logits.softmax(-1)
+    return {
+        "accuracy": (logits, y),
+        "auroc": (probabilities, y),
+        "cat": (logits[:, 0],),
+        "mean": (F.cross_entropy(logits, y, reduction="none"), (query + 1).to(logits.dtype)),
+        "sum": (logits.sum(),),
+        "scores": (logits, y),
+        "classwise": (logits, y),
+        "mrr": (logits[:, 0], relevant, query),
+        "psnr": (probabilities[:, 0], relevant.to(logits.dtype)),
+    }[name]
+
+
+class MetricsInSteps(L.LightningModule):
+    """torchmetrics as its documentation shows: updated, called and logged inside ``training_step``/``validation_step``.
+
+    ``how`` is ``"update"`` (``metric.update(...)``, the metric logged per epoch), ``"call"`` (``value = metric(...)``,
+    the value logged per step) or ``"log_metric"`` (the metric called, then the Metric object logged per step and
+    per epoch).
+    """
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        torch.manual_seed(0)
+        self.layer = nn.Linear(4, 3).double()
+        self.train_metrics = nn.ModuleDict(_metrics())
+        self.val_metrics = nn.ModuleDict(_metrics())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        logits = self(batch[0])
+        self._use(self.train_metrics, "train", logits.detach(), batch)
+        return F.cross_entropy(logits, batch[1])
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self._use(self.val_metrics, "val", self(batch[0]), batch)
+
+    def _use(self, metrics: nn.ModuleDict, stage: str, logits: torch.Tensor, batch: Any) -> None:
+        for name, metric in metrics.items():
+            arguments = _arguments(name, logits, batch)
+            scalar = isinstance(metric, torchmetrics.Metric) and name not in ("cat", "classwise")
+            if self.how == "update":
+                metric.update(*arguments)
+                if scalar:
+                    self.log(f"{stage}_{name}", metric, on_step=False, on_epoch=True)
+            elif self.how == "call":
+                value = metric(*arguments)
+                if isinstance(value, dict):
+                    self.log_dict({f"{stage}_{key}": item for key, item in value.items()}, on_step=True)
+                elif name != "cat":  # CatMetric's value holds every row
+                    self.log(f"{stage}_{name}", value, on_step=True, on_epoch=False)
+            else:
+                metric(*arguments)
+                if scalar:
+                    self.log(f"{stage}_{name}", metric, on_step=True, on_epoch=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+class _Recorder(L.Callback):
+    """Every value logged at each training step, and at the end of each validation."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, torch.Tensor]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.steps.append({key: value.clone() for key, value in trainer.callback_metrics.items()})
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.steps.append({key: value.clone() for key, value in trainer.callback_metrics.items()})
+
+
+def _run(model: L.LightningModule, **settings: Any) -> list[dict[str, torch.Tensor]]:
+    recorder = _Recorder()
+    run = trainer(max_epochs=2, callbacks=[recorder], **settings)
+    run.fit(model, _data(), _data(seed=1))
+    return recorder.steps
+
+
+def _assert_close(left: Any, right: Any, what: str) -> None:
+    if isinstance(left, dict):
+        assert left.keys() == right.keys(), what
+        for key in left:
+            _assert_close(left[key], right[key], f"{what}[{key!r}]")
+    else:
+        torch.testing.assert_close(
+            torch.as_tensor(left).double(), torch.as_tensor(right).double(), atol=1e-6, rtol=1e-6, msg=what
+        )
+
+
+def _states(metric: nn.Module) -> dict[str, Any]:
+    """Every state of every metric in ``metric``, list states joined, with each metric's update count."""
+    states: dict[str, Any] = {}
+    for name, inner in metric.named_modules():
+        if isinstance(inner, torchmetrics.Metric):
+            for key, value in inner.metric_state.items():
+                if isinstance(value, list):
+                    value = torch.cat([item.reshape(-1) for item in value]) if value else torch.zeros(0)
+                states[f"{name}.{key}"] = value
+            states[f"{name}.update_count"] = inner.update_count
+    return states
+
+
+def _assert_same_metrics(one_device: MetricsInSteps, split: MetricsInSteps) -> None:
+    for stage in ("train_metrics", "val_metrics"):
+        for name, metric in getattr(one_device, stage).items():
+            other = getattr(split, stage)[name]
+            _assert_close(_states(metric), _states(other), f"{stage}.{name}")
+            if _states(metric).get(".update_count", 1):
+                _assert_close(metric.compute(), other.compute(), f"{stage}.{name}.compute()")
+
+
+@pytest.mark.parametrize("how", ["update", "call", "log_metric"])
+@pytest.mark.parametrize("devices", [2, 3])
+def test_metrics_in_the_steps_end_as_on_one_device(how: str, devices: int) -> None:
+    one_device = MetricsInSteps(how)
+    expected = _run(one_device)
+    for _ in range(2):
+        split = MetricsInSteps(how)
+        logged = _run(split, devices=devices, strategy="mgpu_dp")
+        assert len(logged) == len(expected)
+        for index, (values, wanted) in enumerate(zip(logged, expected, strict=True)):
+            _assert_close(values, wanted, f"logged values at record {index}")
+        _assert_same_metrics(one_device, split)
+        assert_same_parameters(parameters(one_device.layer), parameters(split.layer))
+
+
+class _ChunkValues(MGPUMixin, L.LightningModule):
+    """Returns, from each replica, what calling a metric there gave, for the hook to see."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 3).double()
+        self.accuracy = classification.MulticlassAccuracy(3, average="micro")
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        logits = self.layer(batch[0])
+        return {"loss": F.cross_entropy(logits, batch[1]), "accuracy": self.accuracy(logits, batch[1])}
+
+    def training_step_end(self, outputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        self.seen = outputs["accuracy"]
+        return outputs["loss"].mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_a_metric_called_in_a_replica_returns_its_chunks_value() -> None:
+    model = _ChunkValues()
+    trainer(devices=2, strategy="mgpu_dp", max_steps=1).fit(model, _data())
+    x, y = next(iter(_data()))[:2]
+    logits = model.layer(x)
+    chunks = [(logits[:3], y[:3]), (logits[3:], y[3:])]
+    expected = torch.stack([(chunk.argmax(-1) == target).double().mean() for chunk, target in chunks])
+    torch.testing.assert_close(model.seen.double(), expected)
+    torch.testing.assert_close(model.accuracy.compute().double(), (logits.argmax(-1) == y).double().mean())
+
+
+# --------------------------------------------------------------------------------------------- refused metrics
+
+
+class _Counted(torchmetrics.Metric):
+    """A metric of one's own, written without saying whether its update needs the state so far."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_state("total", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, values: torch.Tensor, others: torch.Tensor) -> None:
+        self.total += values.sum() + others.sum()
+
+    def compute(self) -> torch.Tensor:
+        return self.total
+
+
+class _Declared(_Counted):
+    full_state_update = False
+
+
+class _MergesNothing(_Declared):
+    def merge_state(self, incoming_state: Any) -> None:
+        raise NotImplementedError("this metric keeps a running state that does not add up")
+
+
+class _UpdatesInStep(L.LightningModule):
+    def __init__(self, metric: torchmetrics.Metric, where: str = "step") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.Linear(4, 3).double()
+        self.metric = metric
+        self.where = where
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        logits = self.layer(batch[0])
+        if self.where == "step":
+            self.metric.update(logits[:, 0], logits[:, 1])
+            return F.cross_entropy(logits, batch[1])
+        return {"logits": logits, "y": batch[1]}
+
+    def training_step_end(self, outputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        self.metric.update(outputs["logits"][:, 0], outputs["logits"][:, 1])
+        return F.cross_entropy(outputs["logits"], outputs["y"])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+@pytest.mark.parametrize(
+    ("metric", "reason"),
+    [
+        (torchmetrics.regression.PearsonCorrCoef(), "full_state_update=True"),
+        (_Counted(), "full_state_update=True"),
+        (_Declared(dist_sync_on_step=True), "dist_sync_on_step=True"),
+        (_MergesNothing(), "does not add up"),
+    ],
+    ids=["pearson", "undeclared", "dist_sync_on_step", "own-merge-refuses"],
+)
+def test_a_metric_that_cannot_be_merged_stops_the_first_step_before_any_parameter_changes(
+    metric: torchmetrics.Metric, reason: str
+) -> None:
+    if isinstance(metric, torchmetrics.regression.PearsonCorrCoef):
+        metric = metric.double()
+    model = _UpdatesInStep(metric)
+    before = parameters(model.layer)
+    with pytest.raises(ReplicaStateError) as caught:
+        trainer(devices=2, strategy="mgpu_dp", max_steps=3).fit(model, _data())
+    assert caught.value.path == "self.metric"
+    assert caught.value.step == "training_step"
+    assert reason in str(caught.value)
+    assert "*_step_end" in str(caught.value)
+    assert_same_parameters(before, parameters(model.layer), atol=0)
+
+
+def test_the_same_metric_updated_in_training_step_end_is_left_to_the_module() -> None:
+    one_device = _UpdatesInStep(torchmetrics.regression.PearsonCorrCoef().double(), where="step_end")
+    one = trainer(devices=1, strategy="mgpu_dp", max_epochs=2)
+    one.fit(one_device, _data())
+    split = _UpdatesInStep(torchmetrics.regression.PearsonCorrCoef().double(), where="step_end")
+    trainer(devices=2, strategy="mgpu_dp", max_epochs=2).fit(split, _data())
+    torch.testing.assert_close(split.metric.compute(), one_device.metric.compute())
+
+
+class _CallsInStep(_UpdatesInStep):
+    def __init__(self, call: Callable[[torchmetrics.Metric], Any]) -> None:
+        super().__init__(classification.MulticlassAccuracy(3))
+        self.call = call
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        logits = self.layer(batch[0])
+        self.metric.update(logits, batch[1])
+        self.call(self.metric)
+        return F.cross_entropy(logits, batch[1])
+
+
+@pytest.mark.parametrize("method", ["compute", "reset"])
+def test_compute_or_reset_inside_a_replica_is_refused_with_the_fix(method: str) -> None:
+    model = _CallsInStep(lambda metric: getattr(metric, method)())
+    with pytest.raises(ReplicaStateError) as caught:
+        trainer(devices=2, strategy="mgpu_dp", max_steps=1).fit(model, _data())
+    assert caught.value.path == "self.metric"
+    assert f"self.metric.{method}() inside replica" in str(caught.value)
+    assert "*_step_end" in str(caught.value)
+
+
+class _MetricInForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.Linear(4, 3).double()
+        self.auroc = classification.MulticlassAUROC(3)
+        self.cat = torchmetrics.CatMetric()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = self.layer(x)
+        self.auroc.update(logits.softmax(-1), y)
+        self.cat.update(logits[:, 1])
+        return logits
+
+
+def test_metrics_inside_the_drop_in_wrapper_end_as_on_one_device() -> None:
+    one_device, split = _MetricInForward(), _MetricInForward()
+    wrapper = MGPUDataParallel(split, [torch.device("cpu")] * 3)
+    try:
+        for x, y, *_ in _data():
+            torch.testing.assert_close(wrapper(x, y), one_device(x, y))
+    finally:
+        wrapper.close()
+    torch.testing.assert_close(split.auroc.compute(), one_device.auroc.compute())
+    torch.testing.assert_close(split.cat.compute(), one_device.cat.compute())
+
+
+# --------------------------------------------------------------------------------------------- plain state
+
+
+class _Collects(MGPUMixin, L.LightningModule):
+    """Lightning 2.x's pattern for epoch-end code: the step appends to a list the epoch-end hook reads."""
+
+    def __init__(self, collect: str = "rows") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.Linear(4, 3).double()
+        self.collect = collect
+        self.outputs: list[Any] = []
+        self.epoch_values: list[torch.Tensor] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return F.cross_entropy(self.layer(batch[0]), batch[1])
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        logits = self.layer(batch[0])
+        if self.collect == "rows":
+            self.outputs.append(
+                {"preds": logits.argmax(-1), "errors": F.cross_entropy(logits, batch[1], reduction="none")}
+            )
+        else:
+            self.outputs.append(F.cross_entropy(logits, batch[1]))
+
+    def on_validation_epoch_end(self) -> None:
+        self.epoch_values.append(torch.cat([output["errors"] for output in self.outputs]))
+        self.outputs.clear()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+class _ListLengths(L.Callback):
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def on_validation_batch_end(self, trainer: L.Trainer, module: Any, *args: Any) -> None:
+        self.seen.append(len(module.outputs))
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_a_list_the_step_appends_per_row_values_to_gets_one_item_per_step_as_on_one_device(devices: int) -> None:
+    one_device = _Collects()
+    trainer(max_epochs=2).fit(one_device, _data(), _data(seed=1))
+    for _ in range(2):
+        split = _Collects()
+        lengths = _ListLengths()
+        trainer(max_epochs=2, devices=devices, strategy="mgpu_dp", callbacks=[lengths]).fit(split, _data(), _data(1))
+        assert lengths.seen[:5] == [1, 2, 3, 4, 5]  # one item per step, not one per replica
+        for values, wanted in zip(split.epoch_values, one_device.epoch_values, strict=True):
+            torch.testing.assert_close(values, wanted)
+
+
+def test_appending_a_replicas_loss_to_a_list_is_refused_naming_the_list() -> None:
+    model = _Collects(collect="loss")
+    with pytest.raises(ReplicaStateError) as caught:
+        trainer(max_steps=1, devices=2, strategy="mgpu_dp", num_sanity_val_steps=1).fit(model, _data(), _data())
+    assert caught.value.path == "self.outputs"
+    assert caught.value.step == "validation_step"
+    assert "self.outputs[-1] is a tensor of shape ()" in str(caught.value)
+    assert model.outputs == []
+
+
+class _Writes(nn.Module):
+    def __init__(self, write: str) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 1).double()
+        self.write = write
+        self.seen_ids: set[int] = set()
+        self.cache: dict[str, torch.Tensor] = {}
+        self.total = torch.zeros((), dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.write == "set":
+            self.seen_ids.update(ids.tolist())
+        elif self.write == "dict":
+            self.cache["last"] = x
+        else:
+            self.total += x.sum()
+        return self.layer(x)
+
+
+def test_a_set_the_replicas_add_to_gets_every_addition() -> None:
+    model = _Writes("set")
+    wrapper = MGPUDataParallel(model, [torch.device("cpu")] * 3)
+    try:
+        for x, _, query, _ in _data():
+            wrapper(x, query)
+    finally:
+        wrapper.close()
+    assert model.seen_ids == set(range(ROWS // 3 + 1))
+
+
+@pytest.mark.parametrize(("write", "path"), [("dict", "self.cache"), ("tensor", "self.total")])
+def test_writing_to_a_dict_or_changing_a_plain_tensor_in_place_is_refused(write: str, path: str) -> None:
+    model = _Writes(write)
+    wrapper = MGPUDataParallel(model, CPU2)
+    try:
+        with pytest.raises(ReplicaStateError) as caught:
+            wrapper(torch.randn(4, 4, dtype=torch.float64), torch.arange(4))
+    finally:
+        wrapper.close()
+    assert caught.value.path == path
+    assert caught.value.step == "forward"
+    assert model.cache == {}
+
+
+class _Retrieval(MGPUMixin, L.LightningModule):
+    """Keeps its metrics registered under their own names, and indexes them in a plain dict as well."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.Linear(4, 1).double()
+        self.mrr = retrieval.RetrievalMRR()
+        self.hit_rate = retrieval.RetrievalHitRate()
+        self.evaluators = {"mrr": self.mrr, "hit_rate": self.hit_rate}
+        self.layers = [self.layer]
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, _, query, relevant = batch
+        scores = self.layers[0](x).squeeze(1)
+        for metric in self.evaluators.values():
+            metric.update(scores.detach(), relevant, indexes=query)
+        return F.binary_cross_entropy_with_logits(scores, relevant.to(scores.dtype))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def test_a_plain_dict_indexing_registered_metrics_is_no_finding_and_reaches_each_replicas_own() -> None:
+    assert check_model(_Retrieval()) == []
+    one_device = _Retrieval()
+    trainer(max_epochs=2).fit(one_device, _data())
+    split = _Retrieval()
+    trainer(max_epochs=2, devices=3, strategy="mgpu_dp").fit(split, _data())
+    assert_same_parameters(parameters(one_device), parameters(split))
+    for name in ("mrr", "hit_rate"):
+        torch.testing.assert_close(getattr(split, name).compute(), getattr(one_device, name).compute())
+    assert split.evaluators["mrr"] is split.mrr
+
+
+def test_a_replica_reads_its_own_modules_and_parameters_through_a_plain_container() -> None:
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = nn.Parameter(torch.ones(1))
+            self.head = nn.Linear(1, 1)
+            self.pair = [self.first, {"head": self.head}]
+
+    model = Pair()
+    assert check_model(model) == []
+    replicas = replicate(model, CPU2)
+    for replica in replicas:
+        assert replica.pair[0] is replica.first
+        assert replica.pair[1]["head"] is replica.head
+    assert replicas[0].pair is not model.pair
+    assert model.pair[0] is model.first
