@@ -215,6 +215,15 @@ def test_a_batch_that_cannot_be_split_is_named_where_it_fails() -> None:
     assert "batch['y']: 3" in report.findings[0].message
 
 
+def test_a_probe_batch_whose_list_reads_both_ways_is_named_before_any_run() -> None:
+    """Two alike tensors of 2 rows are fields or one item per sample, and the probe batch has none before it."""
+    report = diagnose(CenteredNet(), [torch.randn(2, 4), torch.randn(2, 4)])
+    assert found(report) == {("error", "not-splittable", "batch")}
+    assert "lightning_mgpu.PerSample(...)" in report.findings[0].message
+    assert "lightning_mgpu.Fields(...)" in report.findings[0].message
+    assert (report.batch_rows, report.comparisons) == (None, [])
+
+
 @pytest.mark.parametrize("name", ["ParametersInStepNet", "EncoderPenaltyNet"])
 def test_weight_penalty_inside_the_step_is_exact(name: str) -> None:
     # A penalty over self.parameters() or a submodule's parameters() sees the replica's own, so nothing differs.

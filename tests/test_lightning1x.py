@@ -25,7 +25,7 @@ from models import Regressor, StepEndRegressor, assert_same_parameters, loader, 
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from lightning_mgpu import GatherError, MGPUDPStrategy
+from lightning_mgpu import Fields, GatherError, MGPUDPStrategy
 from lightning_mgpu.engine.reduce import reduce_op_name
 from lightning_mgpu.step.replica_log import reduction
 
@@ -542,7 +542,7 @@ class _Nested(Dataset):
     [
         (lambda x: x, lambda x: x),
         (lambda x: {"data": x}, lambda x: x["data"]),
-        (lambda x: [x, (x, x)], lambda x: x[1][0]),
+        (lambda x: [x, Fields((x, x))], lambda x: x[1][0]),
     ],
     ids=["tensor", "dict", "list_tuple"],
 )
@@ -551,8 +551,9 @@ def test_lightning_parallel_module_device_access(
 ) -> None:
     """overrides/test_data_parallel.py: ``self.device`` in a replica is its parameters' and its rows' device.
 
-    As in 1.x, the batch has 2 rows, one per replica; ``[x, (x, x)]`` is then a list of 2 items whose tensors have
-    2 rows, which is split as torch splits it, every tensor along dim 0.
+    As in 1.x, the batch has 2 rows, one per replica. 1.x's ``[x, (x, x)]`` then holds a pair of 2 alike tensors of
+    2 rows, which reads both as fields and as one item per sample, and no earlier batch tells: the dataset marks it
+    ``Fields``, and every tensor is split along dim 0, as torch splits it.
     """
     seen: list[tuple[int, list[float]]] = []
 

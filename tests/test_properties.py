@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from lightning_mgpu import Fields, PerSample
 from lightning_mgpu.engine import chunk_sizes, gather, scatter, weighted_mean
-from lightning_mgpu.engine.scatter import rebuild_sequence
+from lightning_mgpu.engine.scatter import list_reading, rebuild_sequence
 
 CPU = torch.device("cpu")
 
@@ -53,8 +53,10 @@ def batches(draw: st.DrawFn) -> tuple[Any, Any, int, int]:
     Tensors share a leading dimension; numbers and None are mixed in; dataclasses carry an ``init=False`` field;
     plain lists and tuples with one item per row (names, ids, None, dicts, per-sample tensors of other lengths)
     and ``PerSample`` lists of anything are split by items. Other lists, plain or ``Fields``, hold a tensor or a
-    marker, so they are fields whatever their length, the batch's row count and the chunks' included. Per-sample
-    items hold tensors only when a row tensor sits outside every list, where it sets the row count.
+    marker, so they are fields whatever their length, the batch's row count and the chunks' included. A plain one
+    whose items read both ways (as many alike row tensors as rows) is drawn as a ``Fields``, since ``scatter``
+    without a memory refuses it when it splits the batch. Per-sample items hold tensors only when a row tensor sits
+    outside every list, where it sets the row count.
     """
     rows = draw(st.integers(min_value=1, max_value=17))
     replicas = draw(st.integers(min_value=1, max_value=6))
@@ -82,6 +84,8 @@ def batches(draw: st.DrawFn) -> tuple[Any, Any, int, int]:
 
     def sequence(pairs: list[Drawn], kind: type) -> Drawn:
         values, expected = [pair[0] for pair in pairs], [pair[1] for pair in pairs]
+        if min(rows, replicas) > 1 and list_reading(values, rows) is None:
+            kind = Fields
         return kind(values), kind(expected)
 
     def mapping(items: dict[str, Drawn]) -> Drawn:

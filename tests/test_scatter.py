@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from lightning_mgpu import BatchSplitError, Fields, PerSample
+from lightning_mgpu import BatchSplitError, Fields, MGPUDataParallel, PerSample
 from lightning_mgpu.engine import chunk_sizes, scatter
-from lightning_mgpu.engine.scatter import batch_size_of
+from lightning_mgpu.engine.scatter import LayoutMemory, batch_size_of
 
 CPU2 = [torch.device("cpu")] * 2
 
@@ -177,15 +177,110 @@ def test_a_two_row_pair_batch_is_split_as_fields_as_torch_splits_it(kind: type, 
         start += size
 
 
-def test_n_images_with_n_boxes_each_are_read_as_fields_unless_marked() -> None:
+def test_n_images_with_n_boxes_each_are_refused_without_a_marker_or_an_earlier_batch() -> None:
     boxes = [torch.full((4, 4), float(image)) for image in range(4)]
-    chunks, _ = scatter({"images": torch.arange(4), "boxes": boxes}, CPU2)
-    assert [len(chunk["boxes"]) for chunk in chunks] == [4, 4], "every replica gets 2 rows of each of the 4 tensors"
-    assert [item.shape for item in chunks[1]["boxes"]] == [(2, 4)] * 4
-    assert [float(item[0, 0]) for item in chunks[1]["boxes"]] == [0.0, 1.0, 2.0, 3.0]
+    with pytest.raises(BatchSplitError) as caught:
+        scatter({"images": torch.arange(4), "boxes": boxes}, CPU2)
+    assert caught.value.path == "batch['boxes']"
+    assert str(caught.value) == (
+        "batch['boxes'] holds 4 alike items whose tensors all have the batch's 4 rows, so it reads both as fields"
+        " (each item split by rows, as torch.nn.DataParallel splits a list) and as one item per sample (each item"
+        " given whole to its sample's replica), and no earlier batch told which. Mark the list in your collate_fn:"
+        " wrap one item per sample in lightning_mgpu.PerSample(...), as in"
+        ' {"images": torch.stack(images), "boxes": PerSample(boxes)}, or fields in lightning_mgpu.Fields(...), as in'
+        " Fields([x, y])."
+    )
     marked, _ = scatter({"images": torch.arange(4), "boxes": PerSample(boxes)}, CPU2)
     assert [[float(item[0, 0]) for item in chunk["boxes"]] for chunk in marked] == [[0.0, 1.0], [2.0, 3.0]]
     assert all(item.shape == (4, 4) for chunk in marked for item in chunk["boxes"])
+    fields, _ = scatter({"images": torch.arange(4), "boxes": Fields(boxes)}, CPU2)
+    assert [item.shape for item in fields[1]["boxes"]] == [(2, 4)] * 4
+    assert [float(item[0, 0]) for item in fields[1]["boxes"]] == [0.0, 1.0, 2.0, 3.0]
+
+
+@pytest.mark.parametrize(
+    "items",
+    [
+        [torch.zeros(2, 3), torch.ones(2, 3)],
+        (torch.zeros(2, 3), torch.ones(2, 3)),
+        [{"boxes": torch.zeros(2, 4), "labels": torch.zeros(2)}, {"boxes": torch.ones(2, 4), "labels": torch.ones(2)}],
+        [[torch.zeros(2, 4), torch.zeros(2, 4)], [torch.ones(2, 4), torch.ones(2, 4)]],
+    ],
+    ids=["pair", "tuple", "dicts", "nested-lists"],
+)
+def test_every_list_that_reads_both_ways_is_named(items: list | tuple) -> None:
+    with pytest.raises(BatchSplitError) as caught:
+        scatter({"x": torch.arange(2), "a": items, "b": {"c": items}}, CPU2)
+    assert caught.value.path == "batch['a']"
+    assert "batch['a'] and batch['b']['c'] each hold 2 alike items" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "items",
+    [
+        [torch.zeros(2, 3), torch.ones(2, 1)],
+        [torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.float64)],
+        [torch.zeros(2, 3), (torch.ones(2, 3),)],
+        [{"boxes": torch.zeros(2, 4)}, {"points": torch.zeros(2, 4)}],
+        [[torch.zeros(2, 4), torch.zeros(2, 5)], [torch.ones(2, 4), torch.ones(2, 6)]],
+        [torch.zeros(2, 3), None],
+    ],
+    ids=["trailing-shape", "dtype", "type", "keys", "nested-trailing-shape", "none"],
+)
+def test_items_that_differ_make_a_list_of_n_items_fields_without_a_message(items: list) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        chunks, _ = scatter({"x": torch.arange(2), "pair": items}, CPU2)
+    assert [len(chunk["pair"]) for chunk in chunks] == [2, 2], "both items reach each replica, cut by rows"
+
+
+@pytest.mark.parametrize(
+    ("rows", "devices", "weights"),
+    [(2, 1, None), (1, 2, None), (2, 2, [1, 0])],
+    ids=["one-device", "one-row", "weights"],
+)
+def test_a_list_that_reads_both_ways_is_not_refused_when_one_chunk_takes_the_batch(
+    rows: int, devices: int, weights: list[int] | None
+) -> None:
+    """With one chunk both readings give the same chunk, so there is nothing to ask."""
+    pair = [torch.randn(rows, 3), torch.randn(rows, 3)]
+    chunks, sizes = scatter(pair, [torch.device("cpu")] * devices, weights)
+    assert sizes == [rows]
+    assert all(torch.equal(left, right) for left, right in zip(chunks[0], pair, strict=True))
+
+
+def test_a_memory_reads_a_list_that_reads_both_ways_as_earlier_batches_read_its_path() -> None:
+    memory = LayoutMemory()
+    per_image = [torch.zeros(count, 4) for count in (1, 3, 2, 5)]
+    scatter({"x": torch.arange(4), "boxes": per_image}, CPU2, memory=memory)
+    square = [torch.full((4, 4), float(image)) for image in range(4)]
+    chunks, _ = scatter({"x": torch.arange(4), "boxes": square}, CPU2, memory=memory)
+    assert [[float(item[0, 0]) for item in chunk["boxes"]] for chunk in chunks] == [[0.0, 1.0], [2.0, 3.0]]
+    assert chunks[1]["boxes"][0] is square[2]
+    scatter([torch.zeros(4, 3), torch.ones(4, 3)], CPU2, memory=memory)  # 2 items in a batch of 4 rows: fields
+    pair, sizes = scatter([torch.zeros(2, 3), torch.ones(2, 3)], CPU2, memory=memory)
+    assert sizes == [1, 1]
+    assert [[item.tolist() for item in chunk] for chunk in pair] == [[[[0.0] * 3], [[1.0] * 3]]] * 2
+    assert (memory.recall("batch['boxes']"), memory.recall("batch")) == (True, False)
+
+
+def test_a_key_path_read_one_way_is_refused_when_a_later_batch_proves_the_other() -> None:
+    memory = LayoutMemory()
+    scatter({"x": torch.arange(8), "shape": [224, 224]}, CPU2, memory=memory)
+    with pytest.raises(BatchSplitError) as caught:
+        scatter({"x": torch.arange(2), "shape": [224, 224]}, CPU2, memory=memory)
+    assert caught.value.path == "batch['shape']"
+    assert str(caught.value).startswith(
+        "batch['shape'] was read as fields in an earlier batch, but its 2 items in this batch of 2 rows can only be"
+        " read as one item per sample; one key path is read one way in a run, so that no step receives its data cut"
+        " the other way. Mark the list in your collate_fn:"
+    )
+    scatter({"x": torch.arange(2), "ids": ["a", "b"]}, CPU2, memory=memory)
+    with pytest.raises(BatchSplitError) as caught:
+        scatter({"x": torch.arange(3), "ids": ["a", "b"]}, CPU2, memory=memory)
+    assert caught.value.path == "batch['ids']"
+    chunks, _ = scatter({"x": torch.arange(1), "shape": [224]}, CPU2, memory=memory)
+    assert chunks[0]["shape"] == [224], "one chunk: both readings give it, so nothing differs from the earlier batch"
 
 
 def test_persample_makes_a_pair_that_would_be_fields_one_item_per_sample() -> None:
@@ -194,18 +289,6 @@ def test_persample_makes_a_pair_that_would_be_fields_one_item_per_sample() -> No
     assert sizes == [1, 1]
     assert [type(chunk) for chunk in chunks] == [PerSample, PerSample]
     assert chunks[1][0] is pair[1], "each replica gets its own sample whole, with all of its 2 rows"
-
-
-def test_each_batch_is_read_by_itself_whatever_an_earlier_batch_held() -> None:
-    per_image = [torch.zeros(count, 4) for count in (1, 3, 2, 5)]
-    first, _ = scatter({"x": torch.arange(4), "boxes": per_image}, CPU2)
-    assert [len(chunk["boxes"]) for chunk in first] == [2, 2]
-    square = [torch.zeros(4, 4) for _ in range(4)]
-    second, _ = scatter({"x": torch.arange(4), "boxes": square}, CPU2)
-    assert [item.shape for item in second[0]["boxes"]] == [(2, 4)] * 4
-    scatter({"x": torch.arange(2), "shape": [224, 224]}, CPU2)
-    later, _ = scatter({"x": torch.arange(8), "shape": [224, 224]}, CPU2)
-    assert [chunk["shape"] for chunk in later] == [[224, 224], [224, 224]], "not one item per row: whole"
 
 
 def test_a_pair_whose_tensors_disagree_at_the_top_is_refused_with_both_sizes_and_the_fixes() -> None:
@@ -381,3 +464,28 @@ def test_a_batch_split_error_carries_the_path(batch: object, path: str) -> None:
 def test_a_batch_split_error_keeps_its_path_when_pickled() -> None:
     error = pickle.loads(pickle.dumps(BatchSplitError("batch['y'] disagrees", "batch['y']")))
     assert (str(error), error.path) == ("batch['y'] disagrees", "batch['y']")
+
+
+class _Boxes(torch.nn.Module):
+    """Scores each image against the mean of its own boxes, given in a nested list beside the images."""
+
+    def forward(self, images: torch.Tensor, targets: dict[str, list[torch.Tensor]]) -> torch.Tensor:
+        return torch.stack([image.sum() - boxes.mean() for image, boxes in zip(images, targets["boxes"], strict=True)])
+
+
+def test_forward_reads_a_nested_list_that_reads_both_ways_as_its_earlier_calls_did() -> None:
+    module = _Boxes()
+    wrapper = MGPUDataParallel(module, CPU2)
+    images = torch.randn(4, 3)
+    square = {"boxes": [torch.randn(4, 4) for _ in range(4)]}
+    try:
+        with pytest.raises(BatchSplitError) as caught:
+            wrapper(images, targets=square)
+        assert caught.value.path == "batch['kwargs']['targets']['boxes']"
+        assert "batch['kwargs'][name] the keyword argument name" in caught.value.__notes__[0]
+        wrapper(images, targets={"boxes": [torch.randn(count, 4) for count in (1, 3, 2, 5)]})
+        torch.testing.assert_close(wrapper(images, targets=square), module(images, square), atol=0, rtol=0)
+        with pytest.raises(BatchSplitError):  # each method keeps its own memory
+            wrapper.scatter_batch({"images": images, "boxes": square["boxes"]}, method="validation_step")
+    finally:
+        wrapper.close()

@@ -3,6 +3,7 @@ mgpu_dp exactly as on one device, or fails before the first step with the cause 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,9 +77,14 @@ def _fit_boxes(box_counts: list[list[int]], marked: bool, **trainer_kwargs: Any)
     ("box_counts", "marked"),
     [
         ([[1, 3, 2, 5], [4, 2, 4, 4], [3, 4, 4, 4]], False),
+        ([[1, 3, 2, 5], [4, 4, 4, 4], [4, 4, 4, 4]], False),
         ([[4, 4, 4, 4], [1, 3, 2, 5], [4, 4, 4, 4]], True),
     ],
-    ids=["plain-list-whose-counts-tell-in-every-batch", "persample-with-n-boxes-per-image"],
+    ids=[
+        "plain-list-whose-counts-tell-in-every-batch",
+        "plain-list-whose-first-batch-tells-the-later-ones",
+        "persample-with-n-boxes-per-image",
+    ],
 )
 def test_one_boxes_tensor_per_image_trains_like_one_device(
     box_counts: list[list[int]], marked: bool, devices: int
@@ -89,18 +95,23 @@ def test_one_boxes_tensor_per_image_trains_like_one_device(
     assert not torch.equal(single["net.0.weight"], parameters(_BoxRegressor())["net.0.weight"])
 
 
-def test_a_plain_list_of_n_boxes_per_image_reaches_the_replicas_as_fields() -> None:
-    """The one reading that can surprise: torch's, so per-image data whose tensors all have N rows needs PerSample."""
-    received: list[list[tuple[int, ...]]] = []
+def test_n_boxes_per_image_in_a_plain_list_are_refused_at_the_first_batch_with_the_path() -> None:
+    """The list reads both as fields and per image, and no earlier batch tells: no step runs, no parameter moves."""
+    stepped: list[int] = []
 
     class Recording(_BoxRegressor):
         def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
-            received.append([tuple(boxes.shape) for boxes in batch["boxes"]])
+            stepped.append(batch_idx)
             return super().training_step(batch, batch_idx)
 
+    model = Recording()
+    before = parameters(model)
     data = DataLoader(_Images([[4, 4, 4, 4]]), batch_size=BATCH, collate_fn=_detection_collate(marked=False))
-    trainer(devices=2, strategy="mgpu_dp").fit(Recording(), data)
-    assert received == [[(2, 4)] * 4] * 2
+    with pytest.raises(BatchSplitError) as caught:
+        trainer(devices=2, strategy="mgpu_dp").fit(model, data)
+    assert caught.value.path == "batch['boxes']"
+    assert stepped == []
+    assert_same_parameters(before, parameters(model), atol=0)
 
 
 def test_per_image_tensors_alone_at_the_top_of_the_batch_are_refused_before_the_first_step() -> None:
@@ -237,3 +248,15 @@ def test_a_tensor_dataset_in_batches_of_2_trains_like_one_device(collate: str, d
     trainer(max_epochs=2, devices=devices, strategy="mgpu_dp").fit(parallel, data)
     assert_same_parameters(parameters(single), parameters(parallel))
     assert not torch.equal(parameters(single)["net.0.weight"], parameters(Regressor())["net.0.weight"])
+
+
+def test_a_tensor_dataset_of_alike_pairs_ending_in_2_rows_reads_its_last_batch_as_fields() -> None:
+    """x and y are alike (4 x 1 floats), so the last [x, y] of 2 rows reads both ways; the batches of 4 rows tell."""
+    data = loader(regression_data(rows=10, features=1), BATCH)  # [x, y] batches of 4, 4 and 2 rows
+    single, parallel = Regressor(features=1), Regressor(features=1)
+    trainer(max_epochs=2).fit(single, data)
+    with warnings.catch_warnings(record=True) as caught:  # the suite's filters stay: Lightning's known warnings
+        trainer(max_epochs=2, devices=2, strategy="mgpu_dp").fit(parallel, data)
+    assert [str(warning.message) for warning in caught] == []
+    assert_same_parameters(parameters(single), parameters(parallel))
+    assert not torch.equal(parameters(single)["net.0.weight"], parameters(Regressor(features=1))["net.0.weight"])

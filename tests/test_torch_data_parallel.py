@@ -772,9 +772,11 @@ class _Traced(MGPUDataParallel):
         self.seen.append(("scatter", scattered.sizes))
         return scattered
 
-    def scatter_batch(self, batch: Any, args: Any = (), kwargs: dict[str, Any] | None = None) -> Scattered:
-        scattered = super().scatter_batch(batch, args, kwargs)
-        self.seen.append(("scatter_batch", scattered.sizes))
+    def scatter_batch(
+        self, batch: Any, args: Any = (), kwargs: dict[str, Any] | None = None, method: str = "forward"
+    ) -> Scattered:
+        scattered = super().scatter_batch(batch, args, kwargs, method)
+        self.seen.append(("scatter_batch", scattered.sizes, method))
         return scattered
 
     def replicate(self, module: nn.Module, devices: Any) -> list[nn.Module]:
@@ -821,7 +823,7 @@ def test_a_lightning_step_runs_through_the_same_overridable_phases() -> None:
         wrapper.close()
     torch.testing.assert_close(loss, F.mse_loss(module(x), y), **EXACT)
     assert wrapper.seen == [
-        ("scatter_batch", [3, 2]),
+        ("scatter_batch", [3, 2], "validation_step"),
         ("replicate", 2),
         ("parallel_apply", "validation_step"),
         ("gather", "validation_step"),

@@ -38,8 +38,7 @@ from lightning_mgpu.doctor.runs import (
     run_split,
     seed_all,
 )
-from lightning_mgpu.engine import chunk_sizes
-from lightning_mgpu.engine.scatter import batch_size_of
+from lightning_mgpu.engine.scatter import scatter
 from lightning_mgpu.errors import BatchSplitError
 
 
@@ -143,12 +142,12 @@ def diagnose(
             f"Dropout modules in eval mode in both runs, so their randomness does not count as a difference:"
             f" {', '.join(dropouts)}."
         )
-    try:
-        report.batch_rows = batch_size_of(batch)
+    try:  # before any run: the probe batch is the first, so a list that reads both ways has no earlier batch to ask
+        _, report.chunk_sizes = scatter(batch, [torch.device("cpu")] * replicas)
     except BatchSplitError as error:
         report.findings.append(Finding("error", "not-splittable", error.path, str(error)))
         return _sorted(report)
-    report.chunk_sizes = chunk_sizes(report.batch_rows, replicas)
+    report.batch_rows = sum(report.chunk_sizes)
     if len(report.chunk_sizes) < 2:
         report.findings.append(
             Finding(

@@ -10,10 +10,11 @@ import torch
 from torch import nn
 
 from lightning_mgpu.engine.batchnorm import ReplicaRendezvous, WholeBatchNorm, batchnorm_layers, check_exchangeable
-from lightning_mgpu.engine.gather import LayoutMemory, gather
+from lightning_mgpu.engine.gather import gather
 from lightning_mgpu.engine.parallel_apply import ContextFactory, ParallelApply
 from lightning_mgpu.engine.replicate import ReplicaCache, all_on, modules_of
 from lightning_mgpu.engine.scatter import (
+    LayoutMemory,
     check_chunk_weight_count,
     check_chunk_weights,
     move_to,
@@ -116,6 +117,7 @@ class MGPUDataParallel(nn.Module):
         self._batch_statistics = _BatchStatistics()
         if sync_batchnorm and len(self.devices) > 1:
             check_exchangeable(module, type(self).__name__)
+        self._input_layouts: dict[str, LayoutMemory] = {}
         self._output_layouts: dict[str, LayoutMemory] = {}
         self._chunk_weights: tuple[float, ...] | None = None
         self.chunk_weights = chunk_weights
@@ -159,19 +161,24 @@ class MGPUDataParallel(nn.Module):
     def scatter(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Scattered:
         """Split ``forward``'s positional and keyword inputs as one batch (see ``lightning_mgpu.engine.scatter``).
 
-        A call without inputs runs once, on the root device, as in ``torch.nn.DataParallel``.
+        A call without inputs runs once, on the root device, as in ``torch.nn.DataParallel``. A plain list among
+        the inputs that reads both ways is read as earlier calls read it.
         """
         if not inputs and not kwargs:
             return Scattered([((), {})], [0], self.devices[:1])
-        return Scattered(*scatter_inputs(inputs, kwargs, self.devices, self._chunk_weights))
+        memory = _layouts(self._input_layouts, "forward")
+        return Scattered(*scatter_inputs(inputs, kwargs, self.devices, self._chunk_weights, memory=memory))
 
-    def scatter_batch(self, batch: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> Scattered:
+    def scatter_batch(
+        self, batch: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None, method: str = "forward"
+    ) -> Scattered:
         """Split ``batch`` alone, for a method called as ``method(chunk, *args, **kwargs)`` on every replica.
 
-        Only the batch is split, by its own shapes alone, whatever earlier batches held; ``args`` and ``kwargs``
-        reach every replica whole.
+        Only the batch is split; ``args`` and ``kwargs`` reach every replica whole. A plain list in the batch whose
+        items read both ways (fields, or one item per sample) is read as ``method``'s earlier batches read it.
         """
-        chunks, sizes, devices = scatter_to_devices(batch, self.devices, self._chunk_weights)
+        memory = _layouts(self._input_layouts, method)
+        chunks, sizes, devices = scatter_to_devices(batch, self.devices, self._chunk_weights, memory=memory)
         shared = kwargs or {}
         return Scattered([((chunk, *args), shared) for chunk in chunks], sizes, devices)
 
@@ -277,7 +284,7 @@ class MGPUDataParallel(nn.Module):
         entered in each replica thread), ``settle`` puts back what the replicas changed, and the outputs come back
         ungathered, with the rows each replica received.
         """
-        scattered = self.scatter_batch(batch, args, kwargs)
+        scattered = self.scatter_batch(batch, args, kwargs, method)
         replicas = self.replicate(self._modules["module"], scattered.devices)  # type: ignore[arg-type]
         outputs = self.parallel_apply(replicas, scattered.calls, scattered.devices, method, context)
         self.settle(scattered.sizes, method)

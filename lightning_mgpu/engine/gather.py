@@ -11,6 +11,7 @@ import torch
 from lightning_mgpu.engine.scatter import (
     Fields,
     Fit,
+    LayoutMemory,
     PerSample,
     combine_fits,
     field_values,
@@ -28,30 +29,6 @@ _FIX = (
     " the step, so the outputs of every replica can be merged; a list of other values (such as names) is"
     " concatenated when it holds one item per row of the replica's chunk, or when it is a lightning_mgpu.PerSample."
 )
-
-
-class LayoutMemory:
-    """Which reading each plain list or tuple of one method's step outputs had, by key path.
-
-    A list with one item per row of every replica's chunk, whose items are tensors with the chunk's rows, can be
-    gathered item by item or concatenated. Steps of one run return the same structure and the first ones normally
-    tell which (per-image tensors of differing lengths), so the reading a path had then decides when the items do
-    not. It also keeps one path from being gathered two ways in one run: a path concatenated before that is not one
-    item per row now is an error. Only outputs are read this way; a batch is split by its own shapes alone.
-    """
-
-    __slots__ = ("_per_row",)
-
-    def __init__(self) -> None:
-        self._per_row: dict[str, bool] = {}
-
-    def recall(self, path: str) -> bool | None:
-        """``True`` when ``path`` was concatenated as one item per row, ``False`` when gathered item by item."""
-        return self._per_row.get(path)
-
-    def remember(self, path: str, per_row: bool) -> None:
-        """Record the first reading of ``path``; callers recall before they decide, so it never changes."""
-        self._per_row.setdefault(path, per_row)
 
 
 # How a list item would merge if the list were gathered item by item: like rows or a per-replica value, as no

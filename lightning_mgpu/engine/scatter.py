@@ -10,10 +10,13 @@ The contract, which ``gather`` inverts:
   value reaches every replica whole.
 * A ``PerSample`` is split by items. A plain list or tuple is a container, as ``torch.nn.DataParallel`` reads it,
   unless it has N items that prove one item per sample: an item is or holds a tensor whose dim 0 is not N or a
-  0-dim tensor, or no item holds a tensor (names, ids, None). Then it is split by items, unless an item is or
-  holds a ``PerSample`` or ``Fields``, which only fields of a batch hold. The batch alone decides, never an earlier
-  one, so how a batch is split can be read off that batch; the price is that N images with exactly N boxes each
-  are fields unless the boxes come in a ``PerSample``.
+  0-dim tensor, or no item holds a tensor (names, ids, None). An item that is or holds a ``PerSample`` or
+  ``Fields``, which only fields of a batch hold, keeps it a container, and so do items that differ (in type, or
+  in a tensor's dtype or trailing shape). N alike items whose tensors all have N rows read both ways: such a list
+  is read as the same method's earlier batches read its key path (a ``LayoutMemory``), and with no such reading,
+  or no memory (the module's functions), ``BatchSplitError`` asks for a marker. A path read one way may not be
+  proven the other way by a later batch: that is an error too. With one chunk the readings agree and nothing is
+  asked.
 """
 
 from __future__ import annotations
@@ -38,11 +41,10 @@ class PerSample(list[Any]):
     Return it from a ``collate_fn`` for per-sample data that does not stack into one tensor, such as one boxes
     tensor per image: ``{"images": torch.stack(images), "boxes": PerSample(boxes)}``. Each replica receives a
     ``PerSample`` of its own samples, in batch order, with its tensors on the replica's device. A plain list of N
-    items is read per sample without the marker only when its items prove it (a tensor whose first size is not N,
-    or no tensor at all); otherwise it is read as fields, as ``torch.nn.DataParallel`` reads it, so per-image
-    data whose tensors may all have N rows (N images with exactly N boxes each) needs the marker to stay per
-    image. A ``PerSample`` returned from a step is concatenated across replicas in batch order, whatever its
-    length.
+    items is read per sample without the marker when its items prove it (a tensor whose first size is not N, or no
+    tensor at all), or when they read both ways (N images with exactly N boxes each) and earlier batches proved it
+    at that key path; the marker makes every batch say so, the first one included. A ``PerSample`` returned from a
+    step is concatenated across replicas in batch order, whatever its length.
     """
 
     __slots__ = ()
@@ -55,15 +57,40 @@ class Fields(list[Any]):
     """A list of batch fields, ``[inputs, targets]``, split field by field and never read as one item per sample.
 
     A plain list is read as fields already unless its items prove one item per sample, so the marker states that
-    default explicitly, for a reader of the ``collate_fn`` as much as for ``mgpu_dp``. It changes the split only
-    where the items would prove one per sample: two lists of names in a batch of 2 rows stay two fields. Returned
-    from a step, it is gathered item by item, never concatenated as one item per row.
+    default explicitly, for a reader of the ``collate_fn`` as much as for ``mgpu_dp``. It changes the split where
+    the items would prove one per sample (two lists of names in a batch of 2 rows stay two fields) and where they
+    read both ways (``[x, y]`` of alike tensors in a batch of 2 rows, with no earlier batch to tell). Returned from
+    a step, it is gathered item by item, never concatenated as one item per row.
     """
 
     __slots__ = ()
 
     def __repr__(self) -> str:
         return f"Fields({list.__repr__(self)})"
+
+
+class LayoutMemory:
+    """How each plain list or tuple of one method's batches, or of its step outputs, was read, by key path.
+
+    A list can read both ways: N alike items whose tensors all have N rows may be a batch's fields or one item per
+    sample, and a step's tensors with the chunk's rows may be gathered item by item or concatenated. Calls of one
+    method see the same structure, and the first ones normally tell (a batch of another size, per-image tensors of
+    differing lengths), so the reading a path had then decides when the items do not. ``MGPUDataParallel`` keeps
+    one for the batches and one for the outputs of each method.
+    """
+
+    __slots__ = ("_by_items",)
+
+    def __init__(self) -> None:
+        self._by_items: dict[str, bool] = {}
+
+    def recall(self, path: str) -> bool | None:
+        """``True`` when ``path`` was read by items (one per sample or row), ``False`` when field by field."""
+        return self._by_items.get(path)
+
+    def remember(self, path: str, by_items: bool) -> None:
+        """Record the first reading of ``path``; callers recall before they decide, so it never changes."""
+        self._by_items.setdefault(path, by_items)
 
 
 def chunk_sizes(batch_size: int, num_devices: int) -> list[int]:
@@ -177,6 +204,8 @@ def scatter(
     batch: Any,
     devices: Sequence[torch.device],
     weights: Sequence[float] | None = None,
+    *,
+    memory: LayoutMemory | None = None,
 ) -> tuple[list[Any], list[int]]:
     """Split ``batch`` into chunks, each moved to its device.
 
@@ -186,6 +215,8 @@ def scatter(
         weights: one relative share per device (see ``weighted_chunk_sizes``); ``None`` splits evenly. A device
             whose share rounds to no rows gets no chunk, so the chunks may go to other devices than the first ones:
             ``scatter_to_devices`` says which.
+        memory: how earlier batches read each plain list, by key path, updated with this batch's readings; it
+            decides a list whose items read both ways. Without it such a list is refused.
 
     Returns:
         The chunks and their sizes along dim 0.
@@ -193,7 +224,7 @@ def scatter(
     Raises:
         BatchSplitError: the batch cannot be split consistently; the message names the key path and the fix.
     """
-    chunks, sizes, _ = scatter_to_devices(batch, devices, weights)
+    chunks, sizes, _ = scatter_to_devices(batch, devices, weights, memory=memory)
     return chunks, sizes
 
 
@@ -201,6 +232,8 @@ def scatter_to_devices(
     batch: Any,
     devices: Sequence[torch.device],
     weights: Sequence[float] | None = None,
+    *,
+    memory: LayoutMemory | None = None,
 ) -> tuple[list[Any], list[int], list[torch.device]]:
     """``scatter``, also returning the device of each chunk: the devices given rows, in device order.
 
@@ -215,11 +248,16 @@ def scatter_to_devices(
         shares = weighted_chunk_sizes(rows, weights)
         sizes = [size for size in shares if size]
         used = [device for device, size in zip(devices, shares, strict=True) if size]
-    planner = _Planner(rows)
+    planner = _Planner(rows, len(sizes) > 1, memory)
     plan = planner.plan(batch, "batch")
     if planner.conflicts:
         conflicts = [f"{path}: {size}" for path, size in planner.conflicts]
         raise BatchSplitError(_disagreement(_listing(nearest) + conflicts), planner.conflicts[0][0])
+    if planner.undecided:
+        raise BatchSplitError(_undecided(planner.undecided, rows), planner.undecided[0])
+    if memory is not None:
+        for path, by_items in planner.readings.items():
+            memory.remember(path, by_items)
     chunks = [
         _take(batch, plan, start, size, device) for start, size, device in zip(_starts(sizes), sizes, used, strict=True)
     ]
@@ -231,12 +269,14 @@ def scatter_inputs(
     kwargs: dict[str, Any],
     devices: Sequence[torch.device],
     weights: Sequence[float] | None = None,
+    *,
+    memory: LayoutMemory | None = None,
 ) -> tuple[list[tuple[tuple[Any, ...], dict[str, Any]]], list[int], list[torch.device]]:
     """Split a call's positional and keyword inputs as one batch: one ``(args, kwargs)`` per device given rows.
 
     Positional input ``i`` is ``batch['inputs'][i]`` and keyword ``name`` is ``batch['kwargs'][name]`` of the batch
-    that ``scatter_to_devices`` splits (error messages name them so); plain tensors alone take a shorter path to
-    the same chunks.
+    that ``scatter_to_devices`` splits (error messages and ``memory`` name them so); plain tensors alone take a
+    shorter path to the same chunks.
     """
     if not kwargs and weights is None:
         split = split_plain_tensors(inputs, devices)
@@ -244,7 +284,8 @@ def scatter_inputs(
             chunks, sizes, used = split
             return [(chunk, {}) for chunk in chunks], sizes, used
     try:
-        batches, sizes, used = scatter_to_devices({"inputs": Fields(inputs), "kwargs": kwargs}, devices, weights)
+        joined = {"inputs": Fields(inputs), "kwargs": kwargs}
+        batches, sizes, used = scatter_to_devices(joined, devices, weights, memory=memory)
     except BatchSplitError as error:
         error.add_note(
             "lightning_mgpu: MGPUDataParallel splits the positional and keyword inputs of forward as one batch:"
@@ -477,10 +518,17 @@ def _zero_dim(path: str) -> str:
 class _Planner:
     """Reads one batch top-down, its row count known, deciding how each value is cut for the replicas."""
 
-    def __init__(self, rows: int) -> None:
+    def __init__(self, rows: int, several_chunks: bool, memory: LayoutMemory | None) -> None:
         self.rows = rows
+        self.several_chunks = several_chunks
+        """Whether the batch is cut into more than one chunk, where a list's two readings give different chunks."""
+        self.memory = memory
         self.conflicts: list[tuple[str, str]] = []
         """(path, size) of each value whose rows are not the batch's."""
+        self.undecided: list[str] = []
+        """The paths of lists that read both ways, with no earlier reading to decide."""
+        self.readings: dict[str, bool] = {}
+        """The readings this batch's items prove, by path: by items (``True``) or field by field."""
 
     def plan(self, obj: Any, path: str) -> Plan:
         if isinstance(obj, torch.Tensor):
@@ -499,24 +547,67 @@ class _Planner:
             return (Cut.DATACLASS, [(name, self.plan(value, f"{path}.{name}")) for name, value in field_values(obj)])
         if isinstance(obj, (list, tuple)):
             namedtuple = is_namedtuple(obj)
-            if not namedtuple and not isinstance(obj, Fields) and self._per_sample(obj):
+            if not namedtuple and not isinstance(obj, Fields) and self._by_items(obj, path):
                 return _ITEMS_PLAN
             children = [self.plan(value, f"{path}[{index}]") for index, value in enumerate(obj)]
             return (Cut.NAMEDTUPLE if namedtuple else Cut.SEQUENCE, children)
         return _WHOLE_PLAN
 
-    def _per_sample(self, obj: list | tuple) -> bool:
-        """Whether a plain list or tuple holds one item per sample, which only its own items can prove.
+    def _by_items(self, obj: list | tuple, path: str) -> bool:
+        """Whether a plain list or tuple is split by items: as its items prove, else as an earlier batch read it.
 
-        ``torch.nn.DataParallel`` splits every item of a list, so fields are the default, also where every tensor
-        in the list has N rows and nothing tells (an ``[x, y]`` batch of 2 rows). Items prove one per sample when
-        they could not be fields with N rows (a tensor of other rows, a 0-dim tensor) or hold no tensor to split
-        (names); a marker inside makes the list a container of batch fields.
+        A list whose items read both ways, with nothing to decide, is split by items only to go no deeper; it is
+        refused when there is more than one chunk, and with one chunk both readings give the same chunk.
         """
-        if len(obj) != self.rows:
-            return False
-        fits = {_fit(item, self.rows) for item in obj}
-        return Fit.MARKED not in fits and (Fit.CONFLICT in fits or Fit.ROWS not in fits)
+        proven = list_reading(obj, self.rows)
+        remembered = None if self.memory is None else self.memory.recall(path)
+        if proven is None:
+            if remembered is None and self.several_chunks:
+                self.undecided.append(path)
+            return remembered is not False
+        if remembered is not None and remembered != proven and self.several_chunks:
+            raise BatchSplitError(_changed_reading(path, len(obj), self.rows, remembered), path)
+        self.readings[path] = proven
+        return proven
+
+
+def list_reading(items: list | tuple, rows: int) -> bool | None:
+    """How a plain list or tuple's own items read: one per sample (``True``), fields (``False``), or both (``None``).
+
+    ``torch.nn.DataParallel`` splits every item of a list, so fields are the default. Items prove one per sample
+    when they could not be fields with N rows (a tensor of other rows, a 0-dim tensor) or hold no tensor to split
+    (names); a marker inside, items that differ, or another count than N make the list fields. N alike items whose
+    tensors all have N rows (N images with exactly N boxes each, ``[x, y]`` of 2 rows) read both ways.
+    """
+    if len(items) != rows:
+        return False
+    fits = [_fit(item, rows) for item in items]
+    if Fit.MARKED in fits:
+        return False
+    if Fit.CONFLICT in fits or Fit.ROWS not in fits:
+        return True
+    if all(fit is Fit.ROWS for fit in fits) and all(_alike(items[0], item) for item in items[1:]):
+        return None
+    return False
+
+
+def _alike(first: Any, other: Any) -> bool:
+    """Whether two items have one structure: the same types, keys and lengths, tensors of one dtype and shape[1:]."""
+    if type(first) is not type(other):
+        return False
+    if isinstance(first, torch.Tensor):
+        return first.dtype == other.dtype and first.shape[1:] == other.shape[1:]
+    if isinstance(first, Mapping):
+        return first.keys() == other.keys() and all(_alike(value, other[key]) for key, value in first.items())
+    if is_dataclass_instance(first):
+        pairs, others = field_values(first), field_values(other)
+        return len(pairs) == len(others) and all(
+            name == other_name and _alike(value, other_value)
+            for (name, value), (other_name, other_value) in zip(pairs, others, strict=False)
+        )
+    if isinstance(first, (list, tuple)):
+        return len(first) == len(other) and all(_alike(a, b) for a, b in zip(first, other, strict=True))
+    return True
 
 
 def _fit(obj: Any, rows: int) -> Fit:
@@ -590,4 +681,30 @@ def _disagreement(listing: list[str]) -> str:
         " matching chunks per replica. Make every tensor in the batch hold one row per sample; wrap a list that"
         " holds one item per sample (such as one boxes tensor per image) in lightning_mgpu.PerSample(...) in your"
         " collate_fn; or move per-batch data out of the batch (for example into the LightningModule)."
+    )
+
+
+_MARK_IT = (
+    "Mark the list in your collate_fn: wrap one item per sample in lightning_mgpu.PerSample(...), as in"
+    ' {"images": torch.stack(images), "boxes": PerSample(boxes)}, or fields in lightning_mgpu.Fields(...), as in'
+    " Fields([x, y])."
+)
+
+
+def _undecided(paths: list[str], rows: int) -> str:
+    shown = " and ".join([", ".join(paths[:-1]), paths[-1]] if len(paths) > 1 else paths)
+    holds, reads = ("holds", "it reads") if len(paths) == 1 else ("each hold", "each reads")
+    return (
+        f"{shown} {holds} {rows} alike items whose tensors all have the batch's {rows} rows, so {reads} both as"
+        " fields (each item split by rows, as torch.nn.DataParallel splits a list) and as one item per sample (each"
+        f" item given whole to its sample's replica), and no earlier batch told which. {_MARK_IT}"
+    )
+
+
+def _changed_reading(path: str, items: int, rows: int, by_items: bool) -> str:
+    readings = ("as fields", "as one item per sample")
+    return (
+        f"{path} was read {readings[by_items]} in an earlier batch, but its {items} items in this batch of {rows}"
+        f" rows can only be read {readings[not by_items]}; one key path is read one way in a run, so that no step"
+        f" receives its data cut the other way. {_MARK_IT}"
     )

@@ -58,7 +58,7 @@ def run_replica_step(
             f" {step}(self, batch, batch_idx) instead, or use strategy='mgpu_ddp'.",
             setting=f"LightningModule.{step}",
         )
-    scattered = wrapper.scatter_batch(args[0], args[1:], kwargs)
+    scattered = wrapper.scatter_batch(args[0], args[1:], kwargs, step)
     replicas = wrapper.replicate(wrapper.module, scattered.devices)
     logs = [
         prepare_replica(replica, index, len(replicas), device, rows)
