@@ -516,3 +516,24 @@ def test_a_replica_reads_its_own_modules_and_parameters_through_a_plain_containe
         assert replica.pair[1]["head"] is replica.head
     assert replicas[0].pair is not model.pair
     assert model.pair[0] is model.first
+
+
+def test_what_a_step_writes_outside_the_module_is_written_once_per_replica() -> None:
+    """What replicas share and the package cannot copy (loggers, files, globals, closures) is the code's to handle."""
+    written: list[int] = []
+
+    class WritesOutside(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            written.append(x.shape[0])  # a logger's experiment, a file: the same object for every replica
+            return self.layer(x)
+
+    wrapper = MGPUDataParallel(WritesOutside(), [torch.device("cpu")] * 3)
+    try:
+        wrapper(torch.randn(7, 4))
+    finally:
+        wrapper.close()
+    assert sorted(written) == [2, 2, 3]  # once per replica, in whatever order their threads ran

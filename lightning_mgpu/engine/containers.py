@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -56,7 +56,7 @@ class Isolated:
         """(path, a plain tensor every replica shares, its version counter when given)."""
 
 
-def isolate(state: dict[str, Any], names: Sequence[str], prefix: str, remap: Remap, into: Isolated) -> None:
+def isolate(state: dict[str, Any], names: Iterable[str], prefix: str, remap: Remap, into: Isolated) -> None:
     """Replace, in a replica's ``state`` (its instance dict), the containers of attributes ``names`` by copies.
 
     ``prefix`` is the module's path (``"self"``, ``"self.encoder"``); ``remap`` gives the replica's own module,

@@ -196,7 +196,8 @@ class _Structure:
         ]
         self.isolates = bool(self.own_code)
         self._library_kept: dict[tuple[int, str], bool] = {}
-        self._isolated_names: list[set[str]] = [set() for _ in originals]
+        self._isolated_names: list[frozenset[str]] = [frozenset() for _ in originals]
+        self._signatures: dict[int, tuple[tuple[Any, ...], frozenset[str]]] = {}
 
     def refresh(
         self,
@@ -285,10 +286,29 @@ class _Structure:
 
         for own in self.own_code:
             state = shells[own].__dict__
-            names = [name for name, value in state.items() if _may_hold_state(value) and not self._kept(own, name)]
-            self._isolated_names[own] = set(names)
+            names = self._state_names(own, state)
             if names:
                 isolate(state, names, _path(self.names[id(self.originals[own])]), remap, isolated)
+
+    def _state_names(self, position: int, state: dict[str, Any]) -> frozenset[str]:
+        """The attributes of module ``position`` (its replica's ``state``) that hold containers or plain tensors.
+
+        A container of a library's own type (Lightning's ``AttributeDict`` of saved hyperparameters) is the
+        library's, as its attributes are. Worked out again only when the attributes' names or types change, which a step rarely does: the names of a
+        model's own module are read every step, for every replica.
+        """
+        signature = (tuple(state), tuple(map(type, state.values())))
+        known = self._signatures.get(position)
+        if known is not None and known[0] == signature:
+            return known[1]
+        names = frozenset(
+            name
+            for name, value in state.items()
+            if _may_hold_state(value) and not is_library_class(type(value)) and not self._kept(position, name)
+        )
+        self._signatures[position] = (signature, names)
+        self._isolated_names[position] = names
+        return names
 
     def _kept(self, position: int, name: str) -> bool:
         key = (position, name)
