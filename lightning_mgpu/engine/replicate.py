@@ -304,7 +304,7 @@ class _Structure:
         names = frozenset(
             name
             for name, value in state.items()
-            if _may_hold_state(value) and not is_library_class(type(value)) and not self._kept(position, name)
+            if _may_hold_state(value) and not _library_container(value) and not self._kept(position, name)
         )
         self._signatures[position] = (signature, names)
         self._isolated_names[position] = names
@@ -393,6 +393,10 @@ _MISSING = object()
 def _may_hold_state(value: Any) -> bool:
     """Whether an attribute's value is a container or a plain tensor, which replicas get copies of or watch."""
     return isinstance(value, (list, tuple, dict, set, torch.Tensor))
+
+
+def _library_container(value: Any) -> bool:
+    return not isinstance(value, torch.Tensor) and is_library_class(type(value))
 
 
 def _names_of(module: nn.Module) -> dict[int, str]:
