@@ -144,8 +144,8 @@ COVERED_ELSEWHERE = {
     "a replica's loss appended to a list": (
         "tests/test_replica_state.py::test_appending_a_replicas_loss_to_a_list_is_refused_naming_the_list"
     ),
-    "a dict written to or a plain tensor changed in place in a replica": (
-        "tests/test_replica_state.py::test_writing_to_a_dict_or_changing_a_plain_tensor_in_place_is_refused"
+    "a dict key set from each replica's rows or a plain tensor changed in place in a replica": (
+        "tests/test_replica_state.py::test_a_dict_key_set_from_each_replicas_rows_or_a_plain_tensor_changed_in_place_is_refused"
     ),
     "an integer 0-dim output without *_step_end": (
         "tests/test_lightning1x.py::test_an_integer_output_without_step_end_is_refused_naming_it"

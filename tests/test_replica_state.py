@@ -451,8 +451,10 @@ def test_a_set_the_replicas_add_to_gets_every_addition() -> None:
     assert model.seen_ids == set(range(ROWS // 3 + 1))
 
 
-@pytest.mark.parametrize(("write", "path"), [("dict", "self.cache"), ("tensor", "self.total")])
-def test_writing_to_a_dict_or_changing_a_plain_tensor_in_place_is_refused(write: str, path: str) -> None:
+@pytest.mark.parametrize(("write", "path"), [("dict", "self.cache['last']"), ("tensor", "self.total")])
+def test_a_dict_key_set_from_each_replicas_rows_or_a_plain_tensor_changed_in_place_is_refused(
+    write: str, path: str
+) -> None:
     model = _Writes(write)
     wrapper = MGPUDataParallel(model, CPU2)
     try:
@@ -463,6 +465,45 @@ def test_writing_to_a_dict_or_changing_a_plain_tensor_in_place_is_refused(write:
     assert caught.value.path == path
     assert caught.value.step == "forward"
     assert model.cache == {}
+
+
+class _Caches(nn.Module):
+    """Keeps values per sample and a cache of masks by shape in plain dicts, filled in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 1).double()
+        self.per_sample: dict[int, float] = {}
+        self.masks: dict[int, torch.Tensor] = {}
+        self.counts = {"steps": 0}
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, count: bool = False) -> torch.Tensor:
+        out = self.layer(x).squeeze(1)
+        for sample, value in zip(ids.tolist(), out.tolist(), strict=True):
+            self.per_sample[sample] = value
+        if x.shape[0] not in self.masks:
+            self.masks[x.shape[0]] = torch.ones(x.shape[0], dtype=torch.bool)
+        if count:
+            self.counts["steps"] += 1
+        return out
+
+
+def test_keys_the_replicas_add_to_a_dict_reach_the_module_and_a_changed_key_is_refused() -> None:
+    one_device, split = _Caches(), _Caches()
+    split.load_state_dict(one_device.state_dict())
+    wrapper = MGPUDataParallel(split, [torch.device("cpu")] * 3)
+    try:
+        for x, _, query, _ in _data():
+            wrapper(x, torch.arange(len(query)) + 10 * query)
+            one_device(x, torch.arange(len(query)) + 10 * query)
+        assert split.per_sample == pytest.approx(one_device.per_sample, abs=1e-12)
+        assert sorted(split.masks) == [1, 2]  # every replica's cache entry: chunks of 2, 2, 1 and 1, 1, 1 rows
+        with pytest.raises(ReplicaStateError) as caught:
+            wrapper(torch.randn(4, 4, dtype=torch.float64), torch.arange(1000, 1004), count=True)
+    finally:
+        wrapper.close()
+    assert caught.value.path == "self.counts"
+    assert split.counts == {"steps": 0}
 
 
 class _Retrieval(MGPUMixin, L.LightningModule):

@@ -9,10 +9,11 @@ inside replaced by the replica's own. After the call, in the calling thread, eac
 - a list to which every replica appended the same number of items, each holding rows of the replica's chunk only
   (tensors with its rows, or containers of them), gets the items gathered across the replicas in batch order, one
   per append, which is what one device appends for the whole batch;
-- a set that the replicas only added to gets their additions, whatever their order;
-- anything else changed (another append, a dict written to, an item replaced or removed) raises
-  ``ReplicaStateError`` naming the attribute and the fix, and so does a plain tensor attribute changed in place,
-  which every replica shares.
+- a set that the replicas only added to gets their additions, whatever their order, and a dict the keys they added,
+  where every replica that added a key gave it the same value (values per sample, or a cache each replica fills);
+- anything else changed (another append, a dict's key changed, removed or given different values, an item
+  replaced) raises ``ReplicaStateError`` naming the attribute and the fix, and so does a plain tensor attribute
+  changed in place, which every replica shares.
 
 Reassigned attributes (``self.count += 1``) live on the replica alone and are dropped after the call, as with
 ``torch.nn.DataParallel``; the ``mgpu_dp`` strategy warns about them.
@@ -30,7 +31,7 @@ from torch import nn
 
 from lightning_mgpu._compat import version_counter
 from lightning_mgpu.engine.gather import gather
-from lightning_mgpu.engine.scatter import PerSample, is_dataclass_instance
+from lightning_mgpu.engine.scatter import PerSample, is_dataclass_instance, move_to
 from lightning_mgpu.errors import ReplicaStateError
 
 Remap = Callable[[Any], Any]
@@ -135,15 +136,7 @@ def combine(replicas: Sequence[Isolated], sizes: Sequence[int] | None, device: t
                 step,
             )
     for column in zip(*(replica.dicts for replica in replicas), strict=True):
-        path = column[0][0]
-        if any(not _same_items(copied, given) for _, _, copied, given in column):
-            raise ReplicaStateError(
-                f"{step} wrote to the dict {path} inside the replicas. Each replica has a copy of its own, and what"
-                " one device would have written for the whole batch cannot be told from the replicas' rows."
-                f" {_FIX}.",
-                path,
-                step,
-            )
+        _combine_additions(column, device, step)
     for column in zip(*(replica.sets for replica in replicas), strict=True):
         path, original = column[0][0], column[0][1]
         if any(not given <= copied for _, _, copied, given in column):
@@ -157,6 +150,55 @@ def combine(replicas: Sequence[Isolated], sizes: Sequence[int] | None, device: t
             original.update(copied - given)
     for column in zip(*(replica.lists for replica in replicas), strict=True):
         _combine_appends(column, sizes, device, step)
+
+
+def _combine_additions(
+    column: Sequence[tuple[str, dict[Any, Any], dict[Any, Any], dict[Any, Any]]], device: torch.device, step: str
+) -> None:
+    """The keys the replicas added to a dict, each with the one value they agree on, go into the module's dict.
+
+    Keys per sample (``self.losses[sample_id] = ...``) add up to one device's dict, and a cache the replicas each
+    fill (``self.masks[shape] = ...``) gets every entry; a key whose value the replicas disagree on, or a key the
+    dict had that a replica changed or removed, has no one device's value.
+    """
+    path, original = column[0][0], column[0][1]
+    added: dict[Any, Any] = {}
+    for _, _, copied, given in column:
+        if any(key not in copied or copied[key] is not value for key, value in given.items()):
+            raise ReplicaStateError(
+                f"{step} changed or removed a key of the dict {path} inside the replicas, where each has a copy of"
+                f" its own, so one device's dict cannot be told from theirs. {_FIX}.",
+                path,
+                step,
+            )
+        for key, value in copied.items():
+            if key in given:
+                continue
+            value = move_to(value, device)
+            if key in added and not _same_value(added[key], value):
+                raise ReplicaStateError(
+                    f"{step} set {path}[{key!r}] to different values in different replicas, as a value computed from"
+                    f" each replica's rows would be, so one device's value cannot be told. {_FIX}.",
+                    f"{path}[{key!r}]",
+                    step,
+                )
+            added.setdefault(key, value)
+    original.update(added)
+
+
+def _same_value(left: Any, right: Any) -> bool:
+    """Whether two replicas' values are the same value: equal tensors, numbers, strings, or containers of them."""
+    if left is right:
+        return True
+    if isinstance(left, torch.Tensor) and isinstance(right, torch.Tensor):
+        return left.shape == right.shape and left.dtype == right.dtype and bool(torch.equal(left, right))
+    if isinstance(left, _ATOMS) and type(left) is type(right):
+        return bool(left == right)
+    if isinstance(left, Mapping) and isinstance(right, Mapping):
+        return left.keys() == right.keys() and all(_same_value(left[key], right[key]) for key in left)
+    if isinstance(left, (list, tuple)) and type(left) is type(right) and len(left) == len(right):
+        return all(_same_value(a, b) for a, b in zip(left, right, strict=True))
+    return False
 
 
 def _combine_appends(
@@ -228,5 +270,3 @@ def _not_rows(item: Any, rows: int, path: str) -> str | None:
     return None
 
 
-def _same_items(copied: dict[Any, Any], given: dict[Any, Any]) -> bool:
-    return copied.keys() == given.keys() and all(copied[key] is value for key, value in given.items())

@@ -294,8 +294,8 @@ class _Structure:
         """The attributes of module ``position`` (its replica's ``state``) that hold containers or plain tensors.
 
         A container of a library's own type (Lightning's ``AttributeDict`` of saved hyperparameters) is the
-        library's, as its attributes are. Worked out again only when the attributes' names or types change, which a step rarely does: the names of a
-        model's own module are read every step, for every replica.
+        library's, as its attributes are. Worked out again only when the attributes' names or types change, which a
+        step rarely does: a model's own modules are read every step, for every replica.
         """
         signature = (tuple(state), tuple(map(type, state.values())))
         known = self._signatures.get(position)
