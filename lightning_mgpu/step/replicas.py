@@ -18,6 +18,7 @@ from lightning_mgpu.checks import kept_by_library
 from lightning_mgpu.engine import MGPUDataParallel, weighted_mean
 from lightning_mgpu.engine.replicate import assigned_attributes, modules_of
 from lightning_mgpu.errors import ConfigurationError
+from lightning_mgpu.namespaces import LIGHTNING, namespace_of
 from lightning_mgpu.step.health import StepHealth
 from lightning_mgpu.step.hooks import call_step_end, find_loss, has_step_end
 from lightning_mgpu.step.replica_log import ReplicaLog, replay
@@ -108,7 +109,7 @@ def prepare_replica(replica: nn.Module, index: int, num_replicas: int, device: t
     for submodule in modules_of(replica):
         set_lightning_device(submodule, device)
     setattr(replica, "manual_backward", _refuse_manual_backward)  # noqa: B010
-    log = ReplicaLog(index, rows)
+    log = ReplicaLog(index, rows, namespace_of(type(replica)) or LIGHTNING)
     setattr(replica, "log", log)  # noqa: B010 - an instance attribute shadows LightningModule.log
     return log
 
