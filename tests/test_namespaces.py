@@ -9,6 +9,7 @@ it first.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from models import (
 from processes import single_device_parameters
 
 from lightning_mgpu import ConfigurationError, MGPUDDPStrategy, MGPUDPStrategy
+from lightning_mgpu.cli import main
 from lightning_mgpu.namespaces import INSTALLED, LIGHTNING, PYTORCH_LIGHTNING, Namespace, namespace_of
 from lightning_mgpu.strategies import pytorch_lightning as bound
 from lightning_mgpu.strategies.ddp import MGPUDDPLogic, lightning_ddp_names
@@ -229,6 +231,57 @@ def test_a_datamodule_of_the_other_namespace_stops_the_strategy_with_the_fix(
     assert refused.value.setting == "Trainer.fit.datamodule"
     assert f"the datamodule {data_class.__name__} is {namespace_of(data_class).name}'s" in str(refused.value)  # type: ignore[union-attr]
     assert "`import pytorch_lightning as pl`" in str(refused.value)
+
+
+def test_the_doctor_checks_a_pytorch_lightning_model(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor", "--model", "models.PLStepEndRegressor", "--data", "models.PLRegressionData"]) == 0
+    assert "PLStepEndRegressor" in capsys.readouterr().out
+
+
+def test_the_doctor_refuses_classes_of_two_namespaces(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor", "--model", "models.PLStepEndRegressor", "--data", "models.RegressionData"]) == 2
+    error = capsys.readouterr().err
+    assert re.search(r"PLStepEndRegressor is pytorch_lightning's, but .* RegressionData is lightning\.pytorch's", error)
+    assert "`import lightning.pytorch as pl` or `import pytorch_lightning as pl` everywhere" in error
+
+
+# --- the command line -------------------------------------------------------------------------------------------------
+
+_PL_RUN = ["--model", "models.PLStepEndRegressor", "--data", "models.PLRegressionData", "--trainer.accelerator", "cpu"]
+_PL_RUN += ["--trainer.devices", "2", "--trainer.strategy", "mgpu_dp", "--trainer.max_epochs", "1"]
+
+
+def test_the_command_line_runs_a_pytorch_lightning_model_with_its_trainer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["fit", *_PL_RUN, "--trainer.default_root_dir", str(tmp_path)]) == 0
+    assert "lightning-mgpu fit: done in" in capsys.readouterr().out
+    config = (tmp_path / "version_0" / "config.yaml").read_text()
+    assert "# lightning-mgpu's default: pytorch_lightning.loggers.CSVLogger" in config, (
+        "pytorch_lightning's Trainer ran"
+    )
+    checkpoint = next((tmp_path / "version_0" / "checkpoints").glob("*.ckpt"))
+    assert (
+        main(["validate", *_PL_RUN, "--trainer.default_root_dir", str(tmp_path), "--ckpt_path", str(checkpoint)]) == 0
+    )
+    assert re.search(r"final metrics: .*val_loss=\d", capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("given", ["flags", "config"])
+def test_the_command_line_refuses_model_and_data_of_two_namespaces(
+    given: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "mixed.yaml"
+    config.write_text("model:\n  class_path: models.StepEndRegressor\ndata: models.PLRegressionData\n")
+    args = ["--config", str(config)] if given == "config" else ["--model", "models.StepEndRegressor"]
+    args += ["--data", "models.PLRegressionData"] if given == "flags" else []
+    assert main(["fit", *args, "--trainer.default_root_dir", str(tmp_path)]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(
+        "lightning-mgpu fit: model models.StepEndRegressor is lightning.pytorch's, but data models.PLRegressionData"
+        " is pytorch_lightning's: Lightning's two namespaces do not mix"
+    )
+    assert not (tmp_path / "version_0").exists()
 
 
 # --- across processes -------------------------------------------------------------------------------------------------
