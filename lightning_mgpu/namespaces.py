@@ -113,9 +113,9 @@ def mixed(classes: Mapping[str, type | None]) -> str | None:
     )
     imports = " or ".join(f"`{namespace.import_line}`" for namespace in INSTALLED)
     return (
-        f"{described}: Lightning's two namespaces do not mix, a Trainer of one runs no module, datamodule, callback"
-        f" or strategy of the other. Import every Lightning class of the run from one of them ({imports} everywhere;"
-        " `import lightning as L` is lightning.pytorch)."
+        f"{described}: Lightning's two namespaces do not mix, a Trainer of one runs no LightningModule or"
+        f" LightningDataModule of the other. Import every Lightning class of the run from one of them ({imports}"
+        " everywhere; `import lightning as L` is lightning.pytorch)."
     )
 
 

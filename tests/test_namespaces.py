@@ -10,6 +10,8 @@ it first.
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -307,3 +309,16 @@ def test_an_instance_switched_to_the_other_namespace_is_pickled_into_spawned_pro
     assert torch.isfinite(spawned.callback_metrics["train_loss"])
     after = parameters(model)  # the spawned rank 0's weights, brought back to this process
     assert not torch.equal(after["net.0.weight"], before["net.0.weight"])
+
+
+@pytest.mark.slow
+def test_without_pytorch_lightning_the_package_binds_to_lightning_pytorch_alone() -> None:
+    code = (
+        "import sys; sys.modules['pytorch_lightning'] = None;"  # as if it were not installed
+        "import lightning as L, lightning_mgpu;"
+        "from lightning_mgpu.namespaces import INSTALLED, PYTORCH_LIGHTNING;"
+        "t = L.Trainer(accelerator='cpu', devices=2, strategy='mgpu_dp', logger=False);"
+        "print([namespace.name for namespace in INSTALLED], PYTORCH_LIGHTNING, type(t.strategy).__name__)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.split()[-3:] == ["['lightning.pytorch']", "None", "MGPUDPStrategy"]
