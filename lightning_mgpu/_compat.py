@@ -43,14 +43,18 @@ jsonargparse:
 
 from __future__ import annotations
 
+import importlib
 import re
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Sampler
+
+if TYPE_CHECKING:
+    from lightning_mgpu.namespaces import Namespace
 
 try:  # torch.compile's module wrapper; absent where dynamo is not built in
     from torch._dynamo.eval_frame import OptimizedModule
@@ -296,16 +300,15 @@ def saved_dataloader_states(checkpoint: dict[str, Any]) -> list[Any]:
     return list(fit_loop.get("state_dict", {}).get("combined_loader", []))
 
 
-def with_sampler(dataloader: DataLoader, sampler: Sampler) -> DataLoader:
-    """A copy of ``dataloader`` that draws its indices from ``sampler``.
+def with_sampler(dataloader: DataLoader, sampler: Sampler, namespace: Namespace) -> DataLoader:
+    """A copy of ``dataloader`` that draws its indices from ``sampler``, made by ``namespace``'s Lightning.
 
     A DataLoader's sampler cannot be replaced after construction, and rebuilding one faithfully (custom subclasses,
     their init arguments, batch samplers) is what Lightning's private ``_update_dataloader`` does when it injects its
     own distributed samplers. Reusing it keeps our copy exactly as faithful as Lightning's.
     """
-    from lightning.pytorch.utilities.data import _update_dataloader
-
-    return _update_dataloader(dataloader, sampler)
+    update_dataloader = importlib.import_module(f"{namespace.name}.utilities.data")._update_dataloader
+    return update_dataloader(dataloader, sampler)
 
 
 def watch_training_data(trainer: Any, seen: Callable[[Any], None]) -> Callable[[], None]:

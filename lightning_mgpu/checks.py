@@ -23,13 +23,13 @@ from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import lightning.pytorch as pl
 import torch
 from torch import nn
 from torchmetrics import Metric
 
 from lightning_mgpu.errors import ConfigurationError, ModelCheckError
 from lightning_mgpu.library_code import kept_by_library
+from lightning_mgpu.namespaces import INSTALLED
 
 
 def check_devices_exist(devices: Sequence[object], strategy_name: str) -> None:
@@ -222,13 +222,17 @@ def _baseline() -> frozenset[str]:
     """Attribute names that torch and Lightning give every module, learnt by building one on first use.
 
     ``save_hyperparameters`` runs too, because Lightning stores part of what it saves (``_hparams_initial``) from a
-    function outside the class, where reading the class's source would not find it.
+    function outside the class, where reading the class's source would not find it. The names of every installed
+    Lightning namespace's LightningModule count.
     """
-    lightning_module = pl.LightningModule()
-    # A suspended generator's frame has no callers: Lightning, which looks for ``__init__`` arguments in the frames
-    # above the one it is given, finds none, instead of taking a method of ours that calls ``super()`` for one.
-    lightning_module.save_hyperparameters({"baseline": 0}, frame=_frame_without_callers())
-    return frozenset(vars(nn.Module())) | frozenset(vars(lightning_module))
+    names = frozenset(vars(nn.Module()))
+    for namespace in INSTALLED:
+        lightning_module = namespace.LightningModule()
+        # A suspended generator's frame has no callers: Lightning, which looks for ``__init__`` arguments in the
+        # frames above the one it is given, finds none, instead of taking a method of ours that calls ``super()``.
+        lightning_module.save_hyperparameters({"baseline": 0}, frame=_frame_without_callers())
+        names |= frozenset(vars(lightning_module))
+    return names
 
 
 def _frame_without_callers() -> types.FrameType | None:

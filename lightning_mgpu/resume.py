@@ -154,7 +154,7 @@ class ExactResume:
         sampler = dataloader.sampler
         if isinstance(sampler, ResumableSampler) or dataloader.batch_size is None or not isinstance(sampler, Sampler):
             return dataloader
-        wrapped = with_sampler(dataloader, ResumableSampler(sampler))
+        wrapped = with_sampler(dataloader, ResumableSampler(sampler), self._namespace)  # type: ignore[attr-defined]
         assert isinstance(wrapped.sampler, ResumableSampler)
         self._resumable = wrapped.sampler
         pending = self._continue_epoch()

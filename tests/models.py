@@ -1,10 +1,16 @@
-"""Small LightningModules and data shared by the tests."""
+"""Small LightningModules and data shared by the tests, in both Lightning namespaces.
+
+Each model's steps are written once without a Lightning base (``RegressorSteps``, ...) and bound to
+``lightning.pytorch`` (``Regressor``, ...) and to ``pytorch_lightning`` (``PLRegressor``, ...), as the package binds
+its strategies.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 import lightning as L
+import pytorch_lightning as pl
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
@@ -23,7 +29,29 @@ def loader(dataset: TensorDataset, batch_size: int) -> DataLoader:
     return DataLoader(dataset, batch_size=batch_size, shuffle=False)
 
 
-class Regressor(L.LightningModule):
+class RegressionDataSteps:
+    """``regression_data`` for every stage, in batches of ``batch_size``."""
+
+    def __init__(self, rows: int = 20, batch_size: int = 4) -> None:
+        super().__init__()
+        self.rows = rows
+        self.batch_size = batch_size
+
+    def train_dataloader(self) -> DataLoader:
+        return loader(regression_data(self.rows), self.batch_size)
+
+    val_dataloader = test_dataloader = predict_dataloader = train_dataloader
+
+
+class RegressionData(RegressionDataSteps, L.LightningDataModule):
+    """``RegressionDataSteps`` on ``lightning.pytorch``."""
+
+
+class PLRegressionData(RegressionDataSteps, pl.LightningDataModule):
+    """``RegressionDataSteps`` on ``pytorch_lightning``."""
+
+
+class RegressorSteps:
     """Returns the scalar mean loss from each replica: the default weighted-mean reduction applies."""
 
     def __init__(self, features: int = 4, lr: float = 0.1) -> None:
@@ -60,7 +88,15 @@ class Regressor(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
 
 
-class StepEndRegressor(Regressor):
+class Regressor(RegressorSteps, L.LightningModule):
+    """``RegressorSteps`` on ``lightning.pytorch``."""
+
+
+class PLRegressor(RegressorSteps, pl.LightningModule):
+    """``RegressorSteps`` on ``pytorch_lightning``."""
+
+
+class StepEndSteps(RegressorSteps):
     """Returns per-sample errors from the replicas and reduces them in the ``*_step_end`` hooks, as 1.x DP code did."""
 
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
@@ -88,7 +124,15 @@ class StepEndRegressor(Regressor):
         self.log("test_loss", errors.mean())
 
 
-def trainer(tmp_path: Any = None, **overrides: Any) -> L.Trainer:
+class StepEndRegressor(StepEndSteps, Regressor):
+    """``StepEndSteps`` on ``lightning.pytorch``."""
+
+
+class PLStepEndRegressor(StepEndSteps, PLRegressor):
+    """``StepEndSteps`` on ``pytorch_lightning``."""
+
+
+def trainer(tmp_path: Any = None, trainer_class: type[Any] = L.Trainer, **overrides: Any) -> Any:
     settings: dict[str, Any] = {
         "accelerator": "cpu",
         "devices": 1,
@@ -102,7 +146,12 @@ def trainer(tmp_path: Any = None, **overrides: Any) -> L.Trainer:
     if tmp_path is not None:
         settings["default_root_dir"] = str(tmp_path)
     settings.update(overrides)
-    return L.Trainer(**settings)
+    return trainer_class(**settings)
+
+
+def pl_trainer(tmp_path: Any = None, **overrides: Any) -> pl.Trainer:
+    """``trainer``'s settings in a ``pytorch_lightning.Trainer``."""
+    return trainer(tmp_path, pl.Trainer, **overrides)
 
 
 def parameters(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -115,7 +164,7 @@ def assert_same_parameters(left: dict[str, torch.Tensor], right: dict[str, torch
         torch.testing.assert_close(left[name], right[name], atol=atol, rtol=0, msg=f"parameter {name} differs")
 
 
-class Portable(MGPUMixin, L.LightningModule):
+class PortableSteps:
     """The user's target: per-sample outputs from the step, the loss in training_step_end, under any strategy."""
 
     def __init__(self, features: int = 4, lr: float = 0.1) -> None:
@@ -151,6 +200,14 @@ class Portable(MGPUMixin, L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+class Portable(MGPUMixin, PortableSteps, L.LightningModule):
+    """``PortableSteps`` on ``lightning.pytorch``."""
+
+
+class PLPortable(MGPUMixin, PortableSteps, pl.LightningModule):
+    """``PortableSteps`` on ``pytorch_lightning``."""
 
 
 class PositionKeepingLoader(DataLoader):

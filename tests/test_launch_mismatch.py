@@ -16,6 +16,7 @@ from pathlib import Path
 
 import lightning as L
 import pytest
+import pytorch_lightning as pl
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.environments import (
     KubeflowEnvironment,
@@ -25,7 +26,7 @@ from lightning.fabric.plugins.environments import (
 )
 from processes import clean_env, free_port
 
-from lightning_mgpu import ConfigurationError
+from lightning_mgpu import ConfigurationError, MGPUDDPStrategy
 from lightning_mgpu.strategies.launch_checks import check_launch_matches_trainer
 
 SCRIPT = Path(__file__).parent / "scripts" / "launch_mismatch.py"
@@ -171,21 +172,27 @@ def test_unreadable_variables_leave_their_rule_unchecked(no_launcher: pytest.Mon
     assert caught.value.setting == "Trainer.devices"
 
 
-def test_the_trainer_raises_while_it_is_built_under_torchrun(no_launcher: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("trainer_class", [L.Trainer, pl.Trainer], ids=["lightning.pytorch", "pytorch_lightning"])
+def test_the_trainer_raises_while_it_is_built_under_torchrun(
+    no_launcher: pytest.MonkeyPatch, trainer_class: type[L.Trainer]
+) -> None:
     for name, value in _torchrun(2, 2, MASTER_ADDR="127.0.0.1", MASTER_PORT="1").items():
         no_launcher.setenv(name, value)
     with pytest.raises(ConfigurationError) as caught:
-        L.Trainer(accelerator="cpu", devices=3, strategy="mgpu_ddp", logger=False)
+        trainer_class(accelerator="cpu", devices=3, strategy="mgpu_ddp", logger=False)
     assert caught.value.setting == "Trainer.devices"
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="mgpu_ddp", logger=False)
+    trainer = trainer_class(accelerator="cpu", devices=2, strategy="mgpu_ddp", logger=False)
     assert trainer.world_size == 2
 
 
-def test_the_trainer_raises_while_it_is_built_under_slurm(no_launcher: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("trainer_class", [L.Trainer, pl.Trainer], ids=["lightning.pytorch", "pytorch_lightning"])
+def test_the_trainer_raises_while_it_is_built_under_slurm(
+    no_launcher: pytest.MonkeyPatch, trainer_class: type[L.Trainer]
+) -> None:
     for name, value in _slurm_vars(SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_NNODES="1").items():
         no_launcher.setenv(name, value)
     with pytest.raises(ConfigurationError) as caught:
-        L.Trainer(accelerator="cpu", devices=1, strategy="mgpu_ddp", logger=False)
+        trainer_class(accelerator="cpu", devices=1, strategy=MGPUDDPStrategy(), logger=False)
     assert caught.value.setting == "Trainer.devices"
 
 

@@ -12,12 +12,13 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import lightning as L
+import lightning.pytorch as L
 import pytest
+import pytorch_lightning as pl
 import torch
 import torchmetrics
 from lightning.pytorch.callbacks import ModelCheckpoint
-from models import PositionKeepingLoader, Regressor, StepEndRegressor, loader, regression_data, trainer
+from models import PositionKeepingLoader, RegressorSteps, StepEndRegressor, loader, regression_data, trainer
 from processes import clean_env, free_port
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -135,7 +136,7 @@ def test_torchmetrics_epoch_values_continue_after_a_mid_epoch_resume(tmp_path: P
         torch.testing.assert_close(resumed.callback_metrics[name], straight.callback_metrics[name], atol=1e-6, rtol=0)
 
 
-class _OrderRecorded(Regressor):
+class _OrderRecordedSteps(RegressorSteps):
     """Records each step's sample indices; its learning rate can follow the run's total steps (``OneCycleLR``)."""
 
     def __init__(self, one_cycle: bool) -> None:
@@ -158,28 +159,37 @@ class _OrderRecorded(Regressor):
         return [optimizer], [{"scheduler": schedule, "interval": "step"}]
 
 
+class _OrderRecorded(_OrderRecordedSteps, L.LightningModule):
+    """``_OrderRecordedSteps`` on ``lightning.pytorch``."""
+
+
+class _PLOrderRecorded(_OrderRecordedSteps, pl.LightningModule):
+    """``_OrderRecordedSteps`` on ``pytorch_lightning``."""
+
+
+@pytest.mark.parametrize("lightning", [L, pl], ids=["lightning.pytorch", "pytorch_lightning"])
 @pytest.mark.parametrize("one_cycle", [False, True], ids=["fixed-lr", "estimated_stepping_batches"])
 @pytest.mark.parametrize("loader_class", [DataLoader, PositionKeepingLoader])
 def test_mid_epoch_resume_trains_on_the_rest_of_the_epoch_in_its_order(
-    tmp_path: Path, loader_class: type[DataLoader], one_cycle: bool
+    tmp_path: Path, loader_class: type[DataLoader], one_cycle: bool, lightning: Any
 ) -> None:
     """A shuffled epoch resumed from step 15 of 20 sees the straight run's last 5 batches, whoever keeps the place.
 
     A DataLoader that keeps its own place by Lightning's protocol is left to it (skipping its batches again would
     leave nothing of the epoch), and its state reaches it even when ``configure_optimizers`` reads the run's total
-    steps, which makes Lightning drop it.
+    steps, which makes Lightning drop it. In either Lightning namespace.
     """
     x, y = regression_data(rows=40)[:]
     data = TensorDataset(x, y, torch.arange(40))
 
     def fit(ckpt_path: str | None = None, **overrides: Any) -> _OrderRecorded:
         torch.manual_seed(3)  # not seed_everything, whose PL_GLOBAL_SEED would seed later tests' DistributedSampler
-        model = _OrderRecorded(one_cycle)
-        run = trainer(tmp_path, max_epochs=2, devices=2, strategy="mgpu_dp", **overrides)
+        model = (_OrderRecorded if lightning is L else _PLOrderRecorded)(one_cycle)
+        run = trainer(tmp_path, lightning.Trainer, max_epochs=2, devices=2, strategy="mgpu_dp", **overrides)
         run.fit(model, loader_class(data, batch_size=4, shuffle=True), ckpt_path=ckpt_path)
         return model
 
-    every_third = ModelCheckpoint(dirpath=tmp_path / "checkpoints", every_n_train_steps=3, save_top_k=-1)
+    every_third = lightning.callbacks.ModelCheckpoint(tmp_path / "checkpoints", every_n_train_steps=3, save_top_k=-1)
     straight = fit(callbacks=[every_third], enable_checkpointing=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +36,37 @@ from lightning_mgpu.strategies.samplers import UnevenShardSampler
 
 SCRIPT = Path(__file__).parent / "scripts" / "uneven_ddp_train.py"
 CONFIGS = Path(__file__).parents[1] / "configs"
-ROWS, BATCH, RANKS, EPOCHS = 14, 2, 3, 2
-"""3 steps per epoch: two full ones of 6 rows, then 2 rows split 1, 1, 0, so rank 2 runs a padding row."""
+BATCH, EPOCHS = 2, 2
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How the script runs: in which Lightning namespace, on how many ranks and rows, checkpointing when.
+
+    Attributes:
+        flags: the script's namespace flag, if any.
+        rows: the training rows.
+        ranks: the processes.
+        checkpoint_every: the steps between checkpoints; the first lands one batch into the second epoch.
+        last_step: each rank's (real rows, rows of the step) in the last step of an epoch.
+    """
+
+    flags: tuple[str, ...]
+    rows: int
+    ranks: int
+    checkpoint_every: int
+    last_step: list[list[int]]
+
+
+LAUNCHES = {
+    # 3 steps per epoch: two full ones of 6 rows, then 2 rows split 1, 1, 0, so rank 2 runs a padding row.
+    "lightning.pytorch": Launch((), rows=14, ranks=3, checkpoint_every=4, last_step=[[1, 2], [1, 2], [0, 2]]),
+    # 4 steps per epoch: three full ones of 4 rows, then 1 row split 1, 0, so rank 1 runs a padding row; the
+    # strategy is a lightning_mgpu.MGPUDDPStrategy instance, which pytorch_lightning's Trainer turns into its own.
+    "pytorch_lightning": Launch(
+        ("--pytorch-lightning",), rows=13, ranks=2, checkpoint_every=5, last_step=[[1, 1], [0, 1]]
+    ),
+}
 
 
 def _dataset(rows: int) -> TensorDataset:
@@ -137,20 +167,21 @@ def test_a_resumed_epoch_skips_whole_batches_of_this_rank() -> None:
 # ------------------------------------------------------------------------------------------ three gloo processes
 
 
-def _one_device() -> tuple[dict[str, torch.Tensor], list[dict[str, float]], list[list[list[int]]]]:
-    """The run on one device with batches of ``RANKS * BATCH`` rows, written out without Lightning or the package.
+def _one_device(launch: Launch) -> tuple[dict[str, torch.Tensor], list[dict[str, float]], list[list[list[int]]]]:
+    """The run on one device with batches of ``ranks * BATCH`` rows, written out without Lightning or the package.
 
     Returns its parameters, what its logger would receive (step values, then each epoch's), and its global batches.
     """
-    x, y = (tensor.double() for tensor in regression_data(rows=ROWS).tensors)
+    step_rows = launch.ranks * BATCH
+    x, y = (tensor.double() for tensor in regression_data(rows=launch.rows).tensors)
     torch.manual_seed(1)
     net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).double()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     logged: list[dict[str, float]] = []
     steps: list[list[list[int]]] = []
     for epoch in range(EPOCHS):
-        order = torch.randperm(ROWS, generator=torch.Generator().manual_seed(epoch))  # Lightning's seed is 0
-        steps.append([order[start : start + RANKS * BATCH].tolist() for start in range(0, ROWS, RANKS * BATCH)])
+        order = torch.randperm(launch.rows, generator=torch.Generator().manual_seed(epoch))  # Lightning's seed is 0
+        steps.append([order[start : start + step_rows].tolist() for start in range(0, launch.rows, step_rows)])
         epoch_errors = []
         for rows in steps[-1]:
             errors = (net(x[rows]) - y[rows]).pow(2).squeeze(1)
@@ -167,16 +198,17 @@ def _one_device() -> tuple[dict[str, torch.Tensor], list[dict[str, float]], list
             epoch_errors.append(errors.detach())
         errors = torch.cat(epoch_errors)
         mean, largest = float(errors.mean()), float(errors.max())
-        logged.append({"loss_epoch": mean, "rows_epoch": ROWS, "largest_epoch": largest, "error_mean": mean,
+        logged.append({"loss_epoch": mean, "rows_epoch": launch.rows, "largest_epoch": largest, "error_mean": mean,
                        "epoch": epoch})  # fmt: skip
     return net.state_dict(), logged, steps
 
 
-def _launch(out: Path, *args: str) -> list[dict[str, Any]]:
-    command = [sys.executable, str(SCRIPT), "--out", str(out), "--rows", str(ROWS), "--batch", str(BATCH), *args]
+def _launch(out: Path, launch: Launch, *args: str) -> list[dict[str, Any]]:
+    command = [sys.executable, str(SCRIPT), "--out", str(out), "--rows", str(launch.rows), "--batch", str(BATCH)]
+    command += ["--devices", str(launch.ranks), "--epochs", str(EPOCHS), *launch.flags, *args]
     result = run(command, clean_env(MASTER_PORT=str(free_port())), timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(RANKS)]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(launch.ranks)]
 
 
 def _assert_logged(logged: list[dict[str, float]], expected: list[dict[str, float]]) -> None:
@@ -193,20 +225,23 @@ def _assert_parameters(out: Path, rank: int, expected: dict[str, torch.Tensor]) 
         torch.testing.assert_close(params[name], value, atol=1e-6, rtol=0, msg=f"rank {rank}: {name}")
 
 
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
-    """Three ranks, two shuffled epochs, a checkpoint in the middle of the second epoch (after step 4 of 6)."""
+@pytest.fixture(scope="module", params=list(LAUNCHES))
+def straight(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Launch, Path, list[dict[str, Any]]]:
+    """Two shuffled epochs in each namespace, a checkpoint one batch into the second epoch."""
+    launch = LAUNCHES[request.param]
     out = tmp_path_factory.mktemp("straight")
-    return out, _launch(out, "--epochs", str(EPOCHS), "--checkpoint-every", "4")
+    return launch, out, _launch(out, launch, "--checkpoint-every", str(launch.checkpoint_every))
 
 
 @pytest.mark.slow
 def test_every_step_equals_one_device_on_the_union_of_the_ranks_rows(
-    straight: tuple[Path, list[dict[str, Any]]],
+    straight: tuple[Launch, Path, list[dict[str, Any]]],
 ) -> None:
-    out, reports = straight
-    params, logged, steps = _one_device()
-    assert [report["global_step"] for report in reports] == [EPOCHS * len(steps[0])] * RANKS, "no rank skips a step"
+    launch, out, reports = straight
+    params, logged, steps = _one_device(launch)
+    assert [report["global_step"] for report in reports] == [EPOCHS * len(steps[0])] * launch.ranks, "no skipped step"
     for epoch, global_steps in enumerate(steps):
         key = str(epoch)
         assert {len(report["batches"][key]) for report in reports} == {len(global_steps)}
@@ -218,36 +253,38 @@ def test_every_step_equals_one_device_on_the_union_of_the_ranks_rows(
             for report, (mine, _) in zip(reports, planned, strict=True):
                 assert len(report["batches"][key][step]) == max(mine, 1), "one padding row, on an empty rank only"
         seen = sorted(index for rows in global_steps for index in rows)
-        assert seen == list(range(ROWS)), "every sample once per epoch"
-    assert [report["rows"]["0"][-1] for report in reports] == [[1, 2], [1, 2], [0, 2]]
+        assert seen == list(range(launch.rows)), "every sample once per epoch"
+    assert [report["rows"]["0"][-1] for report in reports] == launch.last_step
     for rank, report in enumerate(reports):
         _assert_parameters(out, rank, params)
         _assert_logged(report["logged"], logged)  # step and epoch values, synced, on every rank
-    assert sum(report["rows_seen"] for report in reports) == EPOCHS * ROWS, "the padding row left buffers alone"
+    assert sum(report["rows_seen"] for report in reports) == EPOCHS * launch.rows, "the padding row left buffers"
 
 
 @pytest.mark.slow
 def test_a_mid_epoch_resume_trains_on_the_rest_of_the_epoch_exactly(
-    straight: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+    straight: tuple[Launch, Path, list[dict[str, Any]]], tmp_path: Path
 ) -> None:
-    out, reports = straight
-    checkpoint = out / "checkpoints" / "step=4.ckpt"
-    resumed = _launch(tmp_path, "--epochs", str(EPOCHS), "--ckpt-in", str(checkpoint))
-    params, logged, _ = _one_device()
+    launch, out, reports = straight
+    checkpoint = out / "checkpoints" / f"step={launch.checkpoint_every}.ckpt"
+    resumed = _launch(tmp_path, launch, "--ckpt-in", str(checkpoint))
+    params, logged, steps = _one_device(launch)
     for rank, (report, before) in enumerate(zip(resumed, reports, strict=True)):
         assert list(report["batches"]) == ["1"]
         assert report["batches"]["1"] == before["batches"]["1"][1:], f"rank {rank} continues after batch 0"
         assert report["rows"]["1"] == before["rows"]["1"][1:], "batch_idx continues from the resumed position"
         _assert_parameters(tmp_path, rank, params)
-        _assert_logged(report["logged"], logged[-3:])  # steps 5 and 6, then the whole second epoch's values
+        # the second epoch's steps after its first, then the whole second epoch's values
+        _assert_logged(report["logged"], logged[-len(steps[1]) :])
 
 
 @pytest.mark.slow
 def test_without_the_option_training_repeats_samples_and_differs_from_one_device(tmp_path: Path) -> None:
-    reports = _launch(tmp_path, "--epochs", str(EPOCHS), "--no-uneven")
+    launch = LAUNCHES["lightning.pytorch"]
+    reports = _launch(tmp_path, launch, "--no-uneven")
     seen = sorted(index for report in reports for batch in report["batches"]["0"] for index in batch)
-    assert len(seen) == ROWS + 1, "Lightning's DistributedSampler pads 14 rows to 15 on 3 ranks"
-    params, _, _ = _one_device()
+    assert len(seen) == launch.rows + 1, "Lightning's DistributedSampler pads 14 rows to 15 on 3 ranks"
+    params, _, _ = _one_device(launch)
     differences = [
         float((torch.load(tmp_path / "params0.pt")[name] - value).abs().max()) for name, value in params.items()
     ]

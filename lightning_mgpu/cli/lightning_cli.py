@@ -8,6 +8,10 @@ is instantiated, where plain LightningCLI passes the string on and the Trainer r
 each run writes CSV logs (and TensorBoard logs when tensorboard is installed), checkpoints and its config under one
 folder (``<default_root_dir>/version_<n>``), which a command that fails before writing anything else leaves behind no
 longer; and each command ends with a short summary of metrics and files.
+
+The classes here are written once and bound to each Lightning namespace: a command runs the LightningCLI and Trainer
+of the namespace its model and data classes come from (``lightning.pytorch`` or ``pytorch_lightning``, ``cli_for``),
+and refuses a model and data of different namespaces before anything runs.
 """
 
 from __future__ import annotations
@@ -23,23 +27,29 @@ import sys
 import time
 import warnings
 from collections.abc import Iterator, Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 import lightning.pytorch as pl
+import yaml
 from jsonargparse import ArgumentParser
-from lightning.pytorch import loggers as pl_loggers
-from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
-from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
-from lightning.pytorch.strategies import Strategy, StrategyRegistry
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.strategies import Strategy
 
 import lightning_mgpu  # noqa: F401 - registers mgpu_dp and mgpu_ddp before the Trainer is built
 from lightning_mgpu._compat import parser_error_facts, rejected_option, rejected_value
 from lightning_mgpu.checks import check_gpus_exist
 from lightning_mgpu.cli import EXIT_USAGE, PROG
 from lightning_mgpu.errors import ConfigurationError
+from lightning_mgpu.namespaces import INSTALLED, LIGHTNING, PYTORCH_LIGHTNING, Bindings, Namespace, mixed, namespace_of
 from lightning_mgpu.strategies.registry import close_names
+
+if TYPE_CHECKING:
+    _Parser = LightningArgumentParser
+    _SaveConfig = SaveConfigCallback
+    _CLI = LightningCLI
+else:
+    _Parser = _SaveConfig = _CLI = object
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 DEFAULT_RUNS = "runs"
@@ -76,16 +86,10 @@ class ClassPathError(CommandError):
         self.missing_package = missing_package
 
 
-class MGPUArgumentParser(LightningArgumentParser):
-    """LightningCLI's parser, which ends with one line naming the cause and the fix, never the usage.
+class MGPUArgumentParserLogic(_Parser):
+    """What ``MGPUArgumentParser`` adds to LightningCLI's parser, bound to each Lightning namespace."""
 
-    Attributes:
-        working_directory: where the command was started; jsonargparse changes into a config file's folder while
-            it reads the file.
-        command_parsers: the parsers of the whole command (its own and its subcommands'), whose keys a misspelt
-            key is compared with.
-    """
-
+    bindings: ClassVar[Bindings[type[MGPUArgumentParserLogic]]] = Bindings()
     working_directory: str | None = None
     command_parsers: Sequence[LightningArgumentParser] = ()
 
@@ -106,12 +110,22 @@ class MGPUArgumentParser(LightningArgumentParser):
         )
 
 
-class RunFolderConfig(SaveConfigCallback):
-    """Saves the config as LightningCLI does, and says next to ``logger: null`` which loggers the run had.
+@MGPUArgumentParserLogic.bindings
+class MGPUArgumentParser(MGPUArgumentParserLogic, LightningArgumentParser):
+    """LightningCLI's parser, which ends with one line naming the cause and the fix, never the usage.
 
-    The value stays ``null``: rerunning the saved file then gives a new run folder under whatever
-    ``--trainer.default_root_dir`` says, where the loggers spelt out would pin the old folder.
+    Attributes:
+        working_directory: where the command was started; jsonargparse changes into a config file's folder while
+            it reads the file.
+        command_parsers: the parsers of the whole command (its own and its subcommands'), whose keys a misspelt
+            key is compared with.
     """
+
+
+class RunFolderConfigLogic(_SaveConfig):
+    """What ``RunFolderConfig`` adds to LightningCLI's ``SaveConfigCallback``, bound to each Lightning namespace."""
+
+    bindings: ClassVar[Bindings[type[RunFolderConfigLogic]]] = Bindings()
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Save the config (every rank takes part), then annotate it on global rank 0."""
@@ -124,19 +138,25 @@ class RunFolderConfig(SaveConfigCallback):
             _note_loggers(os.path.join(log_dir, self.config_filename), trainer.loggers)
 
 
-class MGPULightningCLI(LightningCLI):
-    """LightningCLI whose model and data are given by class path (``--model``/``--data`` or a config file).
+@RunFolderConfigLogic.bindings
+class RunFolderConfig(RunFolderConfigLogic, SaveConfigCallback):
+    """Saves the config as LightningCLI does, and says next to ``logger: null`` which loggers the run had.
 
-    Args:
-        args: the command line after the program's name, as for LightningCLI.
-        prog: the program's name in usage lines and help.
-        **kwargs: passed to LightningCLI.
+    The value stays ``null``: rerunning the saved file then gives a new run folder under whatever
+    ``--trainer.default_root_dir`` says, where the loggers spelt out would pin the old folder.
     """
 
+
+class MGPULightningCLILogic(_CLI):
+    """What ``MGPULightningCLI`` adds to LightningCLI, bound to each Lightning namespace (``cli_for``)."""
+
+    bindings: ClassVar[Bindings[type[MGPULightningCLILogic]]] = Bindings()
+
     def __init__(self, args: list[str] | None = None, prog: str = PROG, **kwargs: Any) -> None:
+        namespace = self._namespace
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
-        kwargs.setdefault("save_config_callback", RunFolderConfig)
-        kwargs.setdefault("parser_class", MGPUArgumentParser)
+        kwargs.setdefault("save_config_callback", RunFolderConfigLogic.bindings[namespace])
+        kwargs.setdefault("parser_class", MGPUArgumentParserLogic.bindings[namespace])
         kwargs.setdefault("parser_kwargs", {"prog": prog, **{name: {"epilog": _HELP_EPILOG} for name in SUBCOMMANDS}})
         self._started = time.monotonic()
         self._started_at = time.time()
@@ -149,10 +169,14 @@ class MGPULightningCLI(LightningCLI):
             self._remove_stub_run_folder()
             raise
 
+    @property
+    def _namespace(self) -> Namespace:
+        return namespace_of(type(self)) or LIGHTNING
+
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
         """LightningCLI's parser, told where the command started (see ``MGPUArgumentParser``)."""
         parser = super().init_parser(**kwargs)
-        if isinstance(parser, MGPUArgumentParser):
+        if isinstance(parser, MGPUArgumentParserLogic):
             parser.working_directory = self._working_directory
             parser.command_parsers = self._parsers
         self._parsers.append(parser)
@@ -165,20 +189,21 @@ class MGPULightningCLI(LightningCLI):
             CommandError: the trainer configuration cannot work here (an unknown strategy name, GPUs that do not
                 exist, or any ``ConfigurationError`` of the strategy while the Trainer is built).
         """
+        namespace = self._namespace
         config = self.config_init.get(str(self.subcommand), self.config_init)  # under the subcommand, when one ran
         trainer_config = config.get("trainer", {})
         try:
             check_gpus_exist(trainer_config.get("accelerator"), trainer_config.get("devices"))
             strategy = trainer_config.get("strategy")
             if isinstance(strategy, str) and "." in strategy:
-                kwargs["strategy"] = _strategy_from_class_path(strategy)
+                kwargs["strategy"] = _strategy_from_class_path(strategy, namespace)
             elif isinstance(strategy, str):
-                _check_strategy_name(strategy)
+                _check_strategy_name(strategy, namespace)
             root = trainer_config.get("default_root_dir")
             if not root:  # never the current directory itself, which may be a checkout: its runs/ folder
                 root = kwargs["default_root_dir"] = os.path.join(os.getcwd(), DEFAULT_RUNS)
             if trainer_config.get("logger") in (None, True):
-                loggers = _run_loggers(root)
+                loggers = _run_loggers(root, namespace)
                 kwargs["logger"] = loggers
                 folder = loggers[0].log_dir
                 if folder and not os.path.exists(folder):
@@ -188,7 +213,7 @@ class MGPULightningCLI(LightningCLI):
             raise
         except ConfigurationError as error:
             raise CommandError(str(error), setting=error.setting) from None
-        except MisconfigurationException as error:
+        except namespace.MisconfigurationException as error:
             raise CommandError(
                 f"the Trainer refuses these settings: {_one_line(str(error))}. Change the trainer settings it names."
             ) from None
@@ -227,6 +252,24 @@ class MGPULightningCLI(LightningCLI):
             os.rmdir(folder)
 
 
+@MGPULightningCLILogic.bindings
+class MGPULightningCLI(MGPULightningCLILogic, LightningCLI):
+    """LightningCLI whose model and data are given by class path (``--model``/``--data`` or a config file).
+
+    Args:
+        args: the command line after the program's name, as for LightningCLI.
+        prog: the program's name in usage lines and help.
+        **kwargs: passed to LightningCLI.
+    """
+
+
+def cli_for(namespace: Namespace) -> type[MGPULightningCLILogic]:
+    """The command line's LightningCLI bound to ``namespace``."""
+    if namespace is PYTORCH_LIGHTNING:
+        from lightning_mgpu.cli import pytorch_lightning  # noqa: F401 - binds the classes to pytorch_lightning
+    return MGPULightningCLILogic.bindings[namespace]
+
+
 def summary(
     trainer: pl.Trainer, subcommand: str, seconds: float, log_dir: str | None, since: float | None = None
 ) -> str:
@@ -258,11 +301,14 @@ def summary(
     if log_dir:
         lines.append(_entry("run folder", log_dir))
         files.append(os.path.join(log_dir, "config.yaml"))
+    namespace = namespace_of(type(trainer)) or LIGHTNING
     files += [
-        os.path.join(logger.log_dir, "metrics.csv") for logger in trainer.loggers if isinstance(logger, CSVLogger)
+        os.path.join(logger.log_dir, "metrics.csv")
+        for logger in trainer.loggers
+        if isinstance(logger, namespace.CSVLogger)
     ]
     if subcommand == "predict":
-        files += _prediction_files(trainer, log_dir)
+        files += _prediction_files(trainer, log_dir, namespace)
     if log_dir and since is not None:
         images = sorted(glob.glob(os.path.join(glob.escape(log_dir), "*.png")))
         files += [image for image in images if os.path.getmtime(image) >= since - 1]
@@ -280,12 +326,12 @@ def _entry(label: str, value: str) -> str:
     return f"  {label + ':':<14} {value}"
 
 
-def _prediction_files(trainer: pl.Trainer, log_dir: str | None) -> list[str]:
+def _prediction_files(trainer: pl.Trainer, log_dir: str | None, namespace: Namespace) -> list[str]:
     """Where the prediction writers wrote: their ``path`` attribute, else ``predictions.csv`` in the run folder."""
     paths = [
         os.fspath(path)
         for callback in trainer.callbacks  # type: ignore[attr-defined]
-        if isinstance(callback, BasePredictionWriter)
+        if isinstance(callback, namespace.BasePredictionWriter)
         and isinstance(path := getattr(callback, "path", None), (str, os.PathLike))
     ]
     return paths or ([os.path.join(log_dir, PREDICTIONS_FILE)] if log_dir else [])
@@ -306,7 +352,7 @@ def run(subcommand: str, args: list[str], prog: str = PROG) -> int:
         if subcommand != "fit":  # the run folder is new, and nothing is saved into it: no best checkpoint to lose
             warnings.filterwarnings("ignore", message="The dirpath has changed from")
         try:
-            MGPULightningCLI(args=[subcommand, *args], prog=prog)
+            cli_for(_namespace_of_run(args))(args=[subcommand, *args], prog=prog)
         except CommandError as error:
             print(f"{prog} {subcommand}: {error}{_where_it_is(error, args)}", file=sys.stderr)
             return EXIT_USAGE
@@ -330,8 +376,10 @@ def _without_lightning_tips() -> Iterator[None]:
             logger.removeFilter(not_a_tip)
 
 
-_LIGHTNING_INFO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
-"""The loggers Lightning's ``rank_zero_info`` writes through."""
+_LIGHTNING_INFO_LOGGERS = tuple(
+    f"{package}.utilities.rank_zero" for namespace in INSTALLED for package in (namespace.name, namespace.fabric)
+)
+"""The loggers Lightning's ``rank_zero_info`` writes through, in every namespace."""
 
 
 def run_with_classes(model: str, data: str, args: Sequence[str], default_args: Sequence[str], prog: str) -> int:
@@ -348,11 +396,11 @@ def run_with_classes(model: str, data: str, args: Sequence[str], default_args: S
     return run(args[0], ["--model", model, "--data", data, *args[1:]], prog)
 
 
-def _check_strategy_name(name: str) -> None:
-    """Raise ``StrategyNameError`` for a name the Trainer would reject (it accepts any letter case)."""
-    if name.lower() == "auto" or name.lower() in StrategyRegistry:
+def _check_strategy_name(name: str, namespace: Namespace) -> None:
+    """Raise ``StrategyNameError`` for a name ``namespace``'s Trainer would reject (it accepts any letter case)."""
+    if name.lower() == "auto" or name.lower() in namespace.StrategyRegistry:
         return
-    matches = close_names(name)
+    matches = close_names(name, namespace)
     hint = f"Did you mean {' or '.join(repr(match) for match in matches)}? " if matches else ""
     raise StrategyNameError(
         f"trainer.strategy {name!r} is not a registered strategy name. {hint}lightning_mgpu registers mgpu_dp,"
@@ -361,7 +409,7 @@ def _check_strategy_name(name: str) -> None:
     )
 
 
-def _strategy_from_class_path(class_path: str) -> Strategy:
+def _strategy_from_class_path(class_path: str, namespace: Namespace) -> Strategy:
     try:
         strategy_class = _imported(class_path)
     except (ImportError, AttributeError) as error:
@@ -369,30 +417,25 @@ def _strategy_from_class_path(class_path: str) -> Strategy:
             f"trainer.strategy {class_path!r} is neither a registered strategy name nor an importable class"
             f" ({error}). Use a name such as mgpu_ddp, or a class path such as lightning_mgpu.MGPUDDPStrategy."
         ) from None
-    if not (isinstance(strategy_class, type) and issubclass(strategy_class, Strategy)):
+    if not (isinstance(strategy_class, type) and issubclass(strategy_class, namespace.Strategy)):
         raise ClassPathError(f"trainer.strategy {class_path!r} is not a Strategy subclass.")
     return strategy_class()
 
 
-def _run_loggers(root: str) -> list[Logger]:
-    csv = CSVLogger(save_dir=root, name="")
+def _run_loggers(root: str, namespace: Namespace) -> list[Logger]:
+    csv = namespace.CSVLogger(save_dir=root, name="")
     loggers: list[Logger] = [csv]
     try:
         importlib.import_module("tensorboard")
     except ImportError:
         return loggers
-    loggers.append(TensorBoardLogger(save_dir=root, name="", version=csv.version, default_hp_metric=False))
+    loggers.append(namespace.TensorBoardLogger(save_dir=root, name="", version=csv.version, default_hp_metric=False))
     return loggers
 
 
 def _note_loggers(config_path: str, loggers: Sequence[Logger]) -> None:
     """Say after ``logger: null`` (or ``true``) in the trainer section of the saved config which loggers ran."""
-    names = [
-        f"lightning.pytorch.loggers.{type(logger).__name__}"
-        if getattr(pl_loggers, type(logger).__name__, None) is type(logger)
-        else f"{type(logger).__module__}.{type(logger).__qualname__}"
-        for logger in loggers
-    ]
+    names = [_logger_class_path(type(logger)) for logger in loggers]
     note = f"  # lightning-mgpu's default: {' and '.join(names)}, writing into this folder"
     with open(config_path) as file:
         lines = file.read().split("\n")
@@ -405,6 +448,15 @@ def _note_loggers(config_path: str, loggers: Sequence[Logger]) -> None:
             break
     with open(config_path, "w") as file:
         file.write("\n".join(lines))
+
+
+def _logger_class_path(cls: type) -> str:
+    """``cls`` as a config names it: by the path Lightning exports it under when it is one of Lightning's loggers."""
+    namespace = namespace_of(cls)
+    exported = f"{namespace.name}.loggers" if namespace is not None else None
+    if exported is not None and getattr(importlib.import_module(exported), cls.__name__, None) is cls:
+        return f"{exported}.{cls.__name__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _class_path_problem(message: str, working_directory: str) -> ClassPathError | None:
@@ -504,8 +556,7 @@ def _where_it_is(error: CommandError, args: Sequence[str]) -> str:
     package = getattr(error, "missing_package", None)
     if not package:
         return ""
-    configs = [value for flag, value in zip(args, args[1:], strict=False) if flag in ("-c", "--config")]
-    configs += [arg.split("=", 1)[1] for arg in args if arg.startswith("--config=")]
+    configs = [value for option, value in _options(args) if option in _CONFIG_OPTIONS]
     for config in configs:
         folder = os.path.dirname(os.path.abspath(config))
         while True:
@@ -516,3 +567,83 @@ def _where_it_is(error: CommandError, args: Sequence[str]) -> str:
                 break
             folder = parent
     return ""
+
+
+_CONFIG_OPTIONS = ("-c", "--config")
+_CLASS_SECTIONS = ("model", "data")
+
+
+def _options(args: Sequence[str]) -> Iterator[tuple[str, str]]:
+    """Each option of ``args`` with its value, in order: ``--name value`` and ``--name=value`` alike."""
+    for index, arg in enumerate(args):
+        if not arg.startswith("-"):
+            continue
+        name, equals, value = arg.partition("=")
+        if equals:
+            yield name, value
+        elif index + 1 < len(args) and not args[index + 1].startswith("-"):
+            yield name, args[index + 1]
+
+
+def _named_class_paths(args: Sequence[str]) -> dict[str, str]:
+    """The class paths that ``args`` and the config files it names give ``model`` and ``data``, the last one winning."""
+    named: dict[str, str] = {}
+    for option, value in _options(args):
+        section = option.removeprefix("--").removesuffix(".class_path")
+        if option in _CONFIG_OPTIONS:
+            config = _read_yaml(value)
+            found = {key: _class_path(config.get(key)) for key in _CLASS_SECTIONS} if isinstance(config, dict) else {}
+        elif section in _CLASS_SECTIONS:
+            found = {section: value if option.endswith(".class_path") else _class_path(_parse_yaml(value))}
+        else:
+            continue
+        named.update({key: path for key, path in found.items() if path is not None})
+    return named
+
+
+def _class_path(section: Any) -> str | None:
+    """The class path of a config's ``model:`` or ``data:`` section: the section itself, or its ``class_path``."""
+    if isinstance(section, dict):
+        section = section.get("class_path")
+    return section if isinstance(section, str) and "." in section else None
+
+
+def _read_yaml(path: str) -> Any:
+    try:
+        with open(path) as file:
+            return _parse_yaml(file.read())
+    except OSError:
+        return None  # LightningCLI says why when it reads the file
+
+
+def _parse_yaml(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return None  # LightningCLI says why when it reads the value
+
+
+def _namespace_of_run(args: Sequence[str]) -> Namespace:
+    """The Lightning namespace of the model and data classes that ``args`` name, once they are of one namespace.
+
+    Read as LightningCLI reads them (config files and ``--model``/``--data`` options in order, the last one winning)
+    and imported from the current directory; ``lightning.pytorch`` when none imports.
+
+    Raises:
+        CommandError: the model's and the data's classes come from different namespaces.
+    """
+    classes = {f"{key} {path}": _class_if_importable(path) for key, path in _named_class_paths(args).items()}
+    problem = mixed(classes)
+    if problem is not None:
+        raise CommandError(problem)
+    found = [namespace_of(cls) for cls in classes.values() if cls is not None]
+    return next((namespace for namespace in found if namespace is not None), LIGHTNING)
+
+
+def _class_if_importable(class_path: str) -> type | None:
+    """The class at ``class_path``; ``None`` when it does not import, which LightningCLI then explains."""
+    try:
+        found = _imported(class_path)
+    except Exception:  # the user's module may raise anything; LightningCLI imports it again and reports it
+        return None
+    return found if isinstance(found, type) else None

@@ -40,6 +40,7 @@ from lightning_mgpu.doctor.runs import (
 )
 from lightning_mgpu.engine.scatter import scatter
 from lightning_mgpu.errors import BatchSplitError
+from lightning_mgpu.namespaces import mixed
 
 
 def run_doctor(
@@ -80,11 +81,16 @@ def run_doctor(
     """
     sections = read_config(config) if config is not None else {}
     model_class, model_args = resolve(
-        "model", model, init_args, sections.get("model"), pl.LightningModule, "--model", "--init-args"
+        "model", model, init_args, sections.get("model"), "LightningModule", "--model", "--init-args"
     )
     data_class, data_args = resolve(
-        "data", data, data_init_args, sections.get("data"), pl.LightningDataModule, "--data", "--data-init-args"
+        "data", data, data_init_args, sections.get("data"), "LightningDataModule", "--data", "--data-init-args"
     )
+    problem = mixed(
+        {f"the model {model_class.__name__}": model_class, f"the datamodule {data_class.__name__}": data_class}
+    )
+    if problem is not None:
+        raise DoctorError(problem)
     if seed is None:
         configured = sections.get("seed_everything")
         seed = configured if isinstance(configured, int) and not isinstance(configured, bool) else 0

@@ -19,6 +19,8 @@ from typing import Any
 import lightning.pytorch as pl
 import yaml
 
+from lightning_mgpu.namespaces import INSTALLED, LIGHTNING, namespace_of
+
 _BATCH_HOOKS = ("on_before_batch_transfer", "on_after_batch_transfer")
 _SPEC_HELP = "package.module.ClassName (importable from the current directory) or path/to/file.py:ClassName"
 
@@ -112,11 +114,14 @@ def resolve(
     spec: str | None,
     init_args: Mapping[str, Any] | None,
     configured: Any,
-    base: type,
+    base: str,
     option: str,
     args_option: str,
 ) -> tuple[type, dict[str, Any]]:
-    """The class and init args of the ``model`` or ``data`` section: options win over the config, init args merge."""
+    """The class and init args of the ``model`` or ``data`` section: options win over the config, init args merge.
+
+    ``base`` names the Lightning class the section's class must subclass, in any installed Lightning namespace.
+    """
     config_spec, config_args = _config_section(section, configured)
     spec = spec or config_spec
     if spec is None:
@@ -124,8 +129,8 @@ def resolve(
             f"No {section} class: pass {option} as {_SPEC_HELP}, or a {section}: section with class_path in --config."
         )
     cls = load_class(spec, option)
-    if not issubclass(cls, base):
-        raise DoctorError(f"{option} {spec!r} is a {cls.__name__}, not a {base.__name__}; pass a {base.__name__}.")
+    if not issubclass(cls, tuple(getattr(namespace, base) for namespace in INSTALLED)):
+        raise DoctorError(f"{option} {spec!r} is a {cls.__name__}, not a {base}; pass a {base}.")
     return cls, {**config_args, **dict(init_args or {})}
 
 
@@ -190,7 +195,7 @@ def probe_batch(datamodule: pl.LightningDataModule, module: pl.LightningModule |
             " setup('fit') and takes the first batch of train_dataloader()."
         ) from error
     for hook in _BATCH_HOOKS:
-        owner: Any = datamodule if _overrides(datamodule, pl.LightningDataModule, hook) else module
+        owner: Any = datamodule if _overrides(datamodule, hook) else module
         if owner is not None:
             try:
                 batch = getattr(owner, hook)(batch, 0)
@@ -202,5 +207,6 @@ def probe_batch(datamodule: pl.LightningDataModule, module: pl.LightningModule |
     return batch
 
 
-def _overrides(obj: Any, base: type, name: str) -> bool:
-    return getattr(type(obj), name, None) is not getattr(base, name, None)
+def _overrides(datamodule: Any, name: str) -> bool:
+    base = (namespace_of(type(datamodule)) or LIGHTNING).LightningDataModule
+    return getattr(type(datamodule), name, None) is not getattr(base, name, None)

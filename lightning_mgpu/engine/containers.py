@@ -268,5 +268,3 @@ def _not_rows(item: Any, rows: int, path: str) -> str | None:
         if odd is not None:
             return odd
     return None
-
-

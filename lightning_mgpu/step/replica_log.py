@@ -18,19 +18,20 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torchmetrics import Metric
 
 from lightning_mgpu.engine.reduce import reduce_op_name, weighted_mean
 from lightning_mgpu.errors import ReplicaStateError
+from lightning_mgpu.namespaces import LIGHTNING, Namespace
 
 
 class ReplicaLog:
     """Stands in for ``LightningModule.log`` on one replica; ``log_dict`` reaches it through ``self.log``."""
 
-    def __init__(self, index: int, rows: int) -> None:
+    def __init__(self, index: int, rows: int, namespace: Namespace = LIGHTNING) -> None:
         self.index = index
         self.rows = rows
+        self.namespace = namespace
         self.records: list[tuple[str, Any, dict[str, Any]]] = []
 
     def __call__(self, name: str, value: Any, **kwargs: Any) -> None:
@@ -45,7 +46,7 @@ class ReplicaLog:
                 f"self.log({name!r}, ...) got a tensor of shape {tuple(value.shape)} in replica {self.index}; log a"
                 " scalar (reduce it in the step), or log per-sample values from the *_step_end hook."
             )
-        reduction(name, kwargs.get("reduce_fx", "mean"), self.index)
+        reduction(name, kwargs.get("reduce_fx", "mean"), self.index, self.namespace)
         self.records.append((name, value, kwargs))
 
 
@@ -62,11 +63,12 @@ _REDUCE_FUNCTIONS: tuple[tuple[Any, str], ...] = (
 )
 
 
-def reduction(name: str, reduce_fx: Any, index: int) -> str:
+def reduction(name: str, reduce_fx: Any, index: int, namespace: Namespace = LIGHTNING) -> str:
     """The reduction ``reduce_fx`` stands for, ``"mean"``, ``"sum"``, ``"max"`` or ``"min"``, as Lightning reads it.
 
     Raises:
-        MisconfigurationException: for a ``reduce_fx`` that ``LightningModule.log`` rejects, as it would.
+        MisconfigurationException: ``namespace``'s, the module's own, for a ``reduce_fx`` that
+            ``LightningModule.log`` rejects, as it would.
     """
     meaning = reduce_op_name(reduce_fx) if isinstance(reduce_fx, str) else None
     if meaning is not None:
@@ -74,7 +76,7 @@ def reduction(name: str, reduce_fx: Any, index: int) -> str:
     for function, meaning in _REDUCE_FUNCTIONS:
         if reduce_fx is function:
             return meaning
-    raise MisconfigurationException(
+    raise namespace.MisconfigurationException(
         f"self.log({name!r}, ..., reduce_fx={reduce_fx!r}) was called inside replica {index}. Lightning's self.log"
         " accepts reduce_fx 'mean' (or 'avg'), 'sum', 'max' or 'min', in any letter case, or torch.mean,"
         " torch.sum, torch.max, torch.min, sum, max or min. For another reduction, update a torchmetrics Metric"
@@ -102,7 +104,7 @@ def replay(logs: Sequence[ReplicaLog], module: pl.LightningModule, device: torch
             module.log(name, one_device, **kwargs)
             continue
         values = torch.stack([_as_tensor(value, device) for _, value, _ in entries])
-        combine = reduction(name, kwargs.get("reduce_fx", "mean"), entries[0][0].index)
+        combine = reduction(name, kwargs.get("reduce_fx", "mean"), entries[0][0].index, entries[0][0].namespace)
         module.log(name, _combine(values, weights, combine), **kwargs)
 
 

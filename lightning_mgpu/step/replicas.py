@@ -26,6 +26,7 @@ from lightning_mgpu.engine.scatter import (
     rebuild_sequence,
 )
 from lightning_mgpu.errors import ConfigurationError, GatherError
+from lightning_mgpu.namespaces import LIGHTNING, namespace_of
 from lightning_mgpu.step.health import StepHealth
 from lightning_mgpu.step.hooks import STEP_END_HOOKS, call_step_end, find_loss, has_step_end
 from lightning_mgpu.step.replica_log import ReplicaLog, replay
@@ -117,7 +118,7 @@ def prepare_replica(replica: nn.Module, index: int, num_replicas: int, device: t
     for submodule in modules_of(replica):
         set_lightning_device(submodule, device)
     setattr(replica, "manual_backward", _refuse_manual_backward)  # noqa: B010
-    log = ReplicaLog(index, rows)
+    log = ReplicaLog(index, rows, namespace_of(type(replica)) or LIGHTNING)
     setattr(replica, "log", log)  # noqa: B010 - an instance attribute shadows LightningModule.log
     return log
 

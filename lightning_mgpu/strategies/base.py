@@ -1,39 +1,94 @@
-"""What the two lightning_mgpu strategies share: device and model checks, exact resume, a module left as given."""
+"""What the two lightning_mgpu strategies share: device and model checks, exact resume, a module left as given.
+
+Each strategy is written once, as a class without a Lightning base (``MGPUDPLogic``, ``MGPUDDPLogic``), and bound to
+each Lightning namespace by a class that adds the namespace's strategy base (``bind_strategy``):
+``lightning_mgpu.MGPUDPStrategy`` for ``lightning.pytorch``, ``lightning_mgpu.strategies.pytorch_lightning``'s
+classes for ``pytorch_lightning``. An instance given to the other namespace's Trainer becomes that namespace's
+binding as soon as the Trainer hands it its accelerator, before any other of its code runs.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_mgpu._compat import drop_forward_left_by_lightning
 from lightning_mgpu.checks import check_devices_exist, check_model, report
+from lightning_mgpu.errors import ConfigurationError
+from lightning_mgpu.namespaces import INSTALLED, LIGHTNING, Bindings, Namespace, mixed, namespace_of
 from lightning_mgpu.resume import ExactResume
 
+if TYPE_CHECKING:
+    _Base = ParallelStrategy
+else:
+    _Base = object
 
-class MGPUStrategyMixin(ExactResume):
-    """Put first among the bases of a Lightning ``ParallelStrategy`` subclass that sets ``strategy_name``."""
+S = TypeVar("S", bound="type[MGPUStrategyMixin]")
+
+
+class MGPUStrategyMixin(ExactResume, _Base):
+    """Put first among the bases of a strategy's logic, which sets ``strategy_name`` and ``bindings``."""
 
     strategy_name: str
+    bindings: ClassVar[Bindings[Any]]
+
+    @property
+    def _namespace(self) -> Namespace:
+        """The Lightning namespace this strategy is bound to, read from its class."""
+        namespace = namespace_of(type(self))
+        assert namespace is not None, "a strategy's binding has a Lightning base"
+        return namespace
+
+    @property
+    def accelerator(self) -> pl.accelerators.Accelerator | None:
+        """The accelerator; the first object a Trainer hands its strategy, so it decides the strategy's namespace."""
+        return super().accelerator
+
+    @accelerator.setter
+    def accelerator(self, accelerator: pl.accelerators.Accelerator | None) -> None:
+        self._move_to_namespace_of(accelerator)
+        super(MGPUStrategyMixin, type(self)).accelerator.fset(self, accelerator)  # type: ignore[attr-defined]
 
     @property
     def parallel_devices(self) -> list[torch.device] | None:
         """The devices of this node; checked when assigned, so a missing CUDA device fails before any step runs."""
-        return super().parallel_devices  # type: ignore[misc]
+        return super().parallel_devices
 
     @parallel_devices.setter
     def parallel_devices(self, parallel_devices: list[torch.device] | None) -> None:
         if parallel_devices:
             check_devices_exist(parallel_devices, self.strategy_name)
         # Lightning's own property: the strategy's class, looked up past this mixin, gives it unbound.
-        super(MGPUStrategyMixin, type(self)).parallel_devices.fset(self, parallel_devices)  # type: ignore[misc]
+        super(MGPUStrategyMixin, type(self)).parallel_devices.fset(self, parallel_devices)  # type: ignore[attr-defined]
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Register ``strategy_name`` only (never Lightning's own names); registering again replaces the entry."""
         strategy_registry.register(cls.strategy_name, cls, description=cls.__name__, override=True)
+
+    def connect(self, model: pl.LightningModule) -> None:
+        """Connect the model, after checking that it and the datamodule are of the Trainer's Lightning namespace.
+
+        The Trainer calls this first with the data attached, before Lightning's own code reaches the datamodule (where
+        one of the other namespace fails with ``ValueError: Expected a parent``).
+        """
+        super().connect(model)
+        trainer = self._trainer()
+        datamodule = getattr(trainer, "datamodule", None)
+        problem = mixed(
+            {
+                "the Trainer": type(self),  # its strategy, bound to the Trainer's namespace
+                f"the model {type(model).__name__}": type(model),
+                f"the datamodule {type(datamodule).__name__}": None if datamodule is None else type(datamodule),
+            }
+        )
+        if problem is not None:
+            wrong_model = namespace_of(type(model)) is not self._namespace
+            raise ConfigurationError(problem, setting="Trainer.fit.model" if wrong_model else "Trainer.fit.datamodule")
 
     def _prepare_module(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         """Check the model for multi-GPU traps before fitting."""
@@ -49,3 +104,56 @@ class MGPUStrategyMixin(ExactResume):
         """
         if module is not None:
             drop_forward_left_by_lightning(module)
+
+    def _move_to_namespace_of(self, given: object) -> None:
+        """Become the binding to the namespace of ``given``, an object its Trainer hands over, if that is another.
+
+        Only the namespace's own code runs on the strategy from then on. Lightning's ``__init__`` keeps objects of
+        its namespace on the strategy (the forward redirection); those are taken from a new instance of the
+        binding, the rest of the state is kept.
+        """
+        target, own = namespace_of(type(given)), self._namespace
+        if target is None or target is own:
+            return
+        if type(self) not in self.bindings:
+            raise self._cannot_move(target)
+        binding = self.bindings[target]
+        fresh = vars(binding())
+        for key, value in vars(self).items():
+            if key in fresh and namespace_of(type(value)) is own and namespace_of(type(fresh[key])) is target:
+                self.__dict__[key] = fresh[key]
+        self.__class__ = binding
+
+    def _cannot_move(self, target: Namespace) -> ConfigurationError:
+        cls = type(self)
+        base = next(klass for klass in cls.__mro__ if klass in self.bindings)
+        binding = self.bindings[target]
+        return ConfigurationError(
+            f"{cls.__module__}.{cls.__qualname__} subclasses {base.__module__}.{base.__qualname__}, a"
+            f" {self._namespace.name} strategy, but was given to a {target.name} Trainer, which runs only"
+            f" {target.name} strategies; a subclass cannot be carried across. Subclass"
+            f" {binding.__module__}.{binding.__qualname__} (the same strategy bound to {target.name}) instead, or"
+            f" build the Trainer from {self._namespace.name}.",
+            setting="Trainer.strategy",
+        )
+
+
+def bind_strategy(strategy: S) -> S:
+    """Bind a strategy's logic to the namespace of its last base, a Lightning strategy class (a class decorator).
+
+    Every Trainer accepts an instance of its own namespace's ``Strategy`` only (and checks ``ParallelStrategy`` and
+    ``DDPStrategy`` too), so the binding is registered as a virtual subclass of the other namespaces' class of the
+    same name as its Lightning base: an instance given to another namespace's Trainer is accepted, and becomes that
+    namespace's binding when the Trainer hands it its accelerator. A binding to a namespace other than
+    ``lightning.pytorch`` is registered under the public class too, so ``isinstance(trainer.strategy,
+    lightning_mgpu.MGPUDPStrategy)`` holds in either Trainer.
+    """
+    strategy.bindings(strategy)
+    own = namespace_of(strategy)
+    lightning_base = strategy.__bases__[-1]
+    for namespace in INSTALLED:
+        if namespace is not own:
+            getattr(namespace, lightning_base.__name__).register(strategy)
+    if own is not LIGHTNING:
+        strategy.bindings[LIGHTNING].register(strategy)
+    return strategy

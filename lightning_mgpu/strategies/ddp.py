@@ -9,7 +9,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -18,7 +18,6 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -32,12 +31,18 @@ from lightning_mgpu._compat import (
 )
 from lightning_mgpu.engine.reduce import reduce_op_name
 from lightning_mgpu.errors import ConfigurationError
+from lightning_mgpu.namespaces import Bindings, namespace_of
 from lightning_mgpu.step.health import StepHealth, stop_iteration_is_an_error
 from lightning_mgpu.step.hooks import call_step_end, caller_runs_step_end
-from lightning_mgpu.strategies.base import MGPUStrategyMixin
+from lightning_mgpu.strategies.base import MGPUStrategyMixin, bind_strategy
 from lightning_mgpu.strategies.launch_checks import check_launch_matches_trainer
 from lightning_mgpu.strategies.samplers import EvenlyShardedSampler, is_padding_sampler
 from lightning_mgpu.strategies.uneven import UnevenTraining, reduce_over_real_rows
+
+if TYPE_CHECKING:
+    _Base = LightningDDPStrategy
+else:
+    _Base = object
 
 _EVALUATION_STAGES = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING)
 _PADDED_EVALUATION_WARNING = r"Using `DistributedSampler` with the dataloaders\. During `trainer\.(validate|test)\(\)`"
@@ -100,58 +105,24 @@ def _release_process_group() -> None:
         time.sleep(_EXIT_GRACE_S)
 
 
-def lightning_ddp_names(strategy_registry: Any) -> dict[str, dict[str, Any]]:
-    """Lightning's registered names for its own ``DDPStrategy`` (``ddp``, ``ddp_spawn``, ...), with their settings."""
+def lightning_ddp_names(strategy_registry: Any, ddp_strategy: type) -> dict[str, dict[str, Any]]:
+    """Lightning's registered names for its own ``DDPStrategy`` (``ddp``, ``ddp_spawn``, ...), with their settings.
+
+    Args:
+        strategy_registry: the registry of one Lightning namespace.
+        ddp_strategy: that namespace's ``DDPStrategy``, which its registry names.
+    """
     return {
         name: dict(strategy_registry[name]["init_params"])
         for name in strategy_registry.available_strategies()
-        if name.startswith("ddp") and strategy_registry[name]["strategy"] is LightningDDPStrategy
+        if name.startswith("ddp") and strategy_registry[name]["strategy"] is ddp_strategy
     }
 
 
-class MGPUDDPStrategy(MGPUStrategyMixin, LaunchCheck, LightningDDPStrategy):
-    """One process per device, gradients all-reduced by ``DistributedDataParallel``, with the classic recipe built in.
+class MGPUDDPLogic(MGPUStrategyMixin, LaunchCheck, _Base):
+    """What ``mgpu_ddp`` does, bound to each Lightning namespace by a class that adds its ``DDPStrategy``."""
 
-    Compared with Lightning's ``"ddp"``: on CUDA the process's device is set from its local rank before the process
-    group starts and DDP gets ``device_ids=[device]`` and ``output_device=device``; buffers are not broadcast on
-    every forward (the recipe's ``broadcast_buffers=False``) unless ``broadcast_buffers=True``; the ``*_step_end``
-    hooks run after every rank's step with that rank's output, so one LightningModule runs unchanged under
-    ``mgpu_dp`` and ``mgpu_ddp``; validation and test count every sample exactly once (no padding duplicates);
-    DDP's unused-parameter error names the parameters; a rank whose script ends after ``fit`` exits cleanly
-    (:func:`release_process_group_at_exit`); under torchrun, SLURM or a hand-made launch, process counts that
-    disagree with ``devices``/``num_nodes`` raise ``ConfigurationError`` on every rank while the Trainer is built
-    (:func:`~lightning_mgpu.strategies.launch_checks.check_launch_matches_trainer`) instead of hanging.
-
-    Args:
-        accelerator: the accelerator; Lightning sets it from ``Trainer(accelerator=...)`` when left ``None``.
-        parallel_devices: the devices of this node, one process each; from ``Trainer(devices=...)`` when ``None``.
-        cluster_environment: where ranks come from (torchrun, SLURM, Lightning's launcher); detected when ``None``.
-        checkpoint_io: how checkpoints are written and read; Lightning's default when ``None``.
-        precision_plugin: the precision plugin.
-        broadcast_buffers: broadcast buffers from rank 0 before every forward (and before evaluation); off by
-            default, as in the classic recipe. Passed to DDP under the keyword the installed torch takes.
-        process_group_backend: ``"nccl"``, ``"gloo"``, ...; the device's default when ``None``.
-        timeout: how long a collective may wait for the other ranks before it fails, so a rank that died makes
-            the others exit instead of hanging.
-        start_method: ``"popen"`` (Lightning re-runs the script per rank), ``"spawn"``, ``"fork"`` or
-            ``"forkserver"``.
-        find_unused_parameters: let DDP find parameters that get no gradient in a step (slower); named here, not
-            left to ``**kwargs``, so YAML configs can set it.
-        static_graph: tell DDP the set of used parameters never changes between steps.
-        gradient_as_bucket_view: let gradients alias DDP's communication buckets, saving memory.
-        uneven_batches: train on every sample exactly once per epoch, with each optimizer step equal to one device
-            stepping on the union of the ranks' batches (:class:`~lightning_mgpu.strategies.samplers.
-            UnevenShardSampler`): the last step's rows are split unevenly, a rank left without a row runs a padding
-            row that counts for nothing, and the losses, gradients and ``self.log(..., sync_dist=True)`` means are
-            weighted by each rank's real rows. The loss ``training_step`` (or ``training_step_end``) returns must be
-            the mean over its batch's rows. The order is the one the DataLoader was built for (``shuffle=False``
-            keeps the dataset's, which Lightning's own sampler would shuffle); what cannot be made exact
-            (:mod:`~lightning_mgpu.strategies.uneven_checks`) raises ``ConfigurationError`` on every rank before the
-            first step. Off by default: training then uses Lightning's ``DistributedSampler``, which pads the last
-            shards with duplicate samples.
-        **kwargs: passed to ``DistributedDataParallel`` (``bucket_cap_mb``, ...); ``ddp_comm_state``,
-            ``ddp_comm_hook``, ``ddp_comm_wrapper`` and ``model_averaging_period`` go to Lightning's DDP strategy.
-    """
+    bindings: ClassVar[Bindings[type[MGPUDDPLogic]]] = Bindings()
 
     strategy_name = "mgpu_ddp"
 
@@ -212,7 +183,9 @@ class MGPUDDPStrategy(MGPUStrategyMixin, LaunchCheck, LightningDDPStrategy):
         so that the names always mean what Lightning's mean.
         """
         super().register_strategies(strategy_registry)
-        for name, settings in lightning_ddp_names(strategy_registry).items():
+        namespace = namespace_of(cls)
+        assert namespace is not None, "a strategy's binding has a Lightning base"
+        for name, settings in lightning_ddp_names(strategy_registry, namespace.DDPStrategy).items():
             if name != "ddp":
                 described = ", ".join(f"{key}={value!r}" for key, value in settings.items())
                 strategy_registry.register(
@@ -258,7 +231,8 @@ class MGPUDDPStrategy(MGPUStrategyMixin, LaunchCheck, LightningDDPStrategy):
         # group, NCCL included, is created; DDP gets device_ids=[local rank], and output_device defaults to it.
         super().setup_environment()
         release_process_group_at_exit()
-        warnings.filterwarnings("ignore", message=_PADDED_EVALUATION_WARNING, category=PossibleUserWarning)
+        category = self._namespace.PossibleUserWarning
+        warnings.filterwarnings("ignore", message=_PADDED_EVALUATION_WARNING, category=category)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -321,7 +295,8 @@ class MGPUDDPStrategy(MGPUStrategyMixin, LaunchCheck, LightningDDPStrategy):
         """
         if self._stage() in _EVALUATION_STAGES and is_padding_sampler(getattr(dataloader, "sampler", None)):
             sampler = dataloader.sampler  # type: ignore[attr-defined]
-            return with_sampler(dataloader, EvenlyShardedSampler.like(sampler))  # type: ignore[arg-type]
+            unpadded = EvenlyShardedSampler.like(sampler)
+            return with_sampler(dataloader, unpadded, self._namespace)  # type: ignore[arg-type]
         if self._uneven is not None and self._stage() == RunningStage.TRAINING:
             dataloader = self._uneven.shard(dataloader)
         return super().process_dataloader(dataloader)
@@ -436,3 +411,49 @@ class MGPUDDPStrategy(MGPUStrategyMixin, LaunchCheck, LightningDDPStrategy):
             return []
         trainable = [name for name, parameter in module.named_parameters() if parameter.requires_grad]
         return [trainable[index] for index in unused_parameter_indices(original) if index < len(trainable)]
+
+
+@bind_strategy
+class MGPUDDPStrategy(MGPUDDPLogic, LightningDDPStrategy):
+    """One process per device, gradients all-reduced by ``DistributedDataParallel``, with the classic recipe built in.
+
+    Compared with Lightning's ``"ddp"``: on CUDA the process's device is set from its local rank before the process
+    group starts and DDP gets ``device_ids=[device]`` and ``output_device=device``; buffers are not broadcast on
+    every forward (the recipe's ``broadcast_buffers=False``) unless ``broadcast_buffers=True``; the ``*_step_end``
+    hooks run after every rank's step with that rank's output, so one LightningModule runs unchanged under
+    ``mgpu_dp`` and ``mgpu_ddp``; validation and test count every sample exactly once (no padding duplicates);
+    DDP's unused-parameter error names the parameters; a rank whose script ends after ``fit`` exits cleanly
+    (:func:`release_process_group_at_exit`); under torchrun, SLURM or a hand-made launch, process counts that
+    disagree with ``devices``/``num_nodes`` raise ``ConfigurationError`` on every rank while the Trainer is built
+    (:func:`~lightning_mgpu.strategies.launch_checks.check_launch_matches_trainer`) instead of hanging.
+
+    Args:
+        accelerator: the accelerator; Lightning sets it from ``Trainer(accelerator=...)`` when left ``None``.
+        parallel_devices: the devices of this node, one process each; from ``Trainer(devices=...)`` when ``None``.
+        cluster_environment: where ranks come from (torchrun, SLURM, Lightning's launcher); detected when ``None``.
+        checkpoint_io: how checkpoints are written and read; Lightning's default when ``None``.
+        precision_plugin: the precision plugin.
+        broadcast_buffers: broadcast buffers from rank 0 before every forward (and before evaluation); off by
+            default, as in the classic recipe. Passed to DDP under the keyword the installed torch takes.
+        process_group_backend: ``"nccl"``, ``"gloo"``, ...; the device's default when ``None``.
+        timeout: how long a collective may wait for the other ranks before it fails, so a rank that died makes
+            the others exit instead of hanging.
+        start_method: ``"popen"`` (Lightning re-runs the script per rank), ``"spawn"``, ``"fork"`` or
+            ``"forkserver"``.
+        find_unused_parameters: let DDP find parameters that get no gradient in a step (slower); named here, not
+            left to ``**kwargs``, so YAML configs can set it.
+        static_graph: tell DDP the set of used parameters never changes between steps.
+        gradient_as_bucket_view: let gradients alias DDP's communication buckets, saving memory.
+        uneven_batches: train on every sample exactly once per epoch, with each optimizer step equal to one device
+            stepping on the union of the ranks' batches (:class:`~lightning_mgpu.strategies.samplers.
+            UnevenShardSampler`): the last step's rows are split unevenly, a rank left without a row runs a padding
+            row that counts for nothing, and the losses, gradients and ``self.log(..., sync_dist=True)`` means are
+            weighted by each rank's real rows. The loss ``training_step`` (or ``training_step_end``) returns must be
+            the mean over its batch's rows. The order is the one the DataLoader was built for (``shuffle=False``
+            keeps the dataset's, which Lightning's own sampler would shuffle); what cannot be made exact
+            (:mod:`~lightning_mgpu.strategies.uneven_checks`) raises ``ConfigurationError`` on every rank before the
+            first step. Off by default: training then uses Lightning's ``DistributedSampler``, which pads the last
+            shards with duplicate samples.
+        **kwargs: passed to ``DistributedDataParallel`` (``bucket_cap_mb``, ...); ``ddp_comm_state``,
+            ``ddp_comm_hook``, ``ddp_comm_wrapper`` and ``model_averaging_period`` go to Lightning's DDP strategy.
+    """

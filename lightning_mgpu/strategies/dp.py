@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
@@ -19,10 +19,16 @@ from lightning_mgpu.engine import MGPUDataParallel
 from lightning_mgpu.engine.reduce import reduce_op_name
 from lightning_mgpu.engine.scatter import check_chunk_weight_count, check_chunk_weights
 from lightning_mgpu.errors import ConfigurationError
+from lightning_mgpu.namespaces import Bindings
 from lightning_mgpu.step.health import StepHealth, stop_iteration_is_an_error
 from lightning_mgpu.step.hooks import call_step_end, caller_runs_step_end
 from lightning_mgpu.step.replicas import mark_outside_replicas, run_replica_step
-from lightning_mgpu.strategies.base import MGPUStrategyMixin
+from lightning_mgpu.strategies.base import MGPUStrategyMixin, bind_strategy
+
+if TYPE_CHECKING:
+    _Base = ParallelStrategy
+else:
+    _Base = object
 
 LIGHTNING_1X_NAME = "dp"
 """Lightning 1.x's name for its DataParallel strategy, registered as another name of ``mgpu_dp``."""
@@ -35,41 +41,10 @@ _REDUCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-class MGPUDPStrategy(MGPUStrategyMixin, ParallelStrategy):
-    """Split each batch across devices in one process and run the step of one replica per device in threads.
+class MGPUDPLogic(MGPUStrategyMixin, _Base):
+    """What ``mgpu_dp`` does, bound to each Lightning namespace by a class that adds its ``ParallelStrategy``."""
 
-    The successor of Lightning 1.x's ``strategy="dp"``. Each step the batch is split along dim 0, the
-    LightningModule is replicated onto the devices, every replica runs the current step (``training_step``,
-    ``validation_step``, ``test_step``, ``predict_step``) on its chunk in its own thread, and the outputs are
-    gathered on the root device in batch order. A ``*_step_end`` hook on the LightningModule then receives the
-    gathered output; that is where the loss and batch-wise reductions belong. Without ``training_step_end`` the
-    replicas' losses are averaged weighted by their chunk sizes, which equals the single-device loss.
-
-    On CPU, or where a device repeats, replicas alias the original parameters, so
-    ``Trainer(accelerator="cpu", devices=2, strategy="mgpu_dp")`` runs two real replicas in two threads. With one
-    device there is nothing to split: the module itself runs each step, as on Lightning's single device, and then
-    its ``*_step_end`` hook. ``import lightning_mgpu`` also registers 1.x's name, so ``strategy="dp"`` selects this
-    strategy.
-
-    Args:
-        accelerator: the accelerator; Lightning sets it from ``Trainer(accelerator=...)`` when left ``None``.
-        parallel_devices: the devices to replicate onto, the first being the root device; Lightning sets them
-            from ``Trainer(devices=...)`` when left ``None``.
-        checkpoint_io: how checkpoints are written and read; Lightning's default when ``None``.
-        precision_plugin: the precision plugin; its autocast context is entered in every replica thread.
-        sync_batchnorm: BatchNorm layers in training mode normalise each chunk by the statistics of the whole batch,
-            exchanged between the replicas, so they train exactly as on one device (unlike
-            ``torch.nn.DataParallel``). ``False`` normalises each chunk by its own statistics, which saves the
-            exchange and changes the results.
-        device_weights: each device's relative share of every batch, one number per device in ``parallel_devices``
-            order, so the root device, which also holds the gathered outputs and the loss, can take fewer rows:
-            ``[1, 2, 2, 2]`` gives it a seventh of each batch and the three others two sevenths each. Rows are
-            assigned by largest-remainder rounding, in contiguous chunks in batch order, and the loss is still
-            combined by the rows each replica actually received, so training equals one device's. A device whose
-            share of a batch rounds to no rows (a weight of 0, or a batch smaller than the device count) runs no
-            replica for that batch. ``None`` (the default) splits evenly. Checked when the Trainer assigns the
-            devices, so a wrong count fails before any step.
-    """
+    bindings: ClassVar[Bindings[type[MGPUDPLogic]]] = Bindings()
 
     strategy_name = "mgpu_dp"
 
@@ -326,6 +301,44 @@ class MGPUDPStrategy(MGPUStrategyMixin, ParallelStrategy):
         if step == "training_step":
             self._health.check_loss(result, lambda: f"at step {module.global_step}")
         return result
+
+
+@bind_strategy
+class MGPUDPStrategy(MGPUDPLogic, ParallelStrategy):
+    """Split each batch across devices in one process and run the step of one replica per device in threads.
+
+    The successor of Lightning 1.x's ``strategy="dp"``. Each step the batch is split along dim 0, the
+    LightningModule is replicated onto the devices, every replica runs the current step (``training_step``,
+    ``validation_step``, ``test_step``, ``predict_step``) on its chunk in its own thread, and the outputs are
+    gathered on the root device in batch order. A ``*_step_end`` hook on the LightningModule then receives the
+    gathered output; that is where the loss and batch-wise reductions belong. Without ``training_step_end`` the
+    replicas' losses are averaged weighted by their chunk sizes, which equals the single-device loss.
+
+    On CPU, or where a device repeats, replicas alias the original parameters, so
+    ``Trainer(accelerator="cpu", devices=2, strategy="mgpu_dp")`` runs two real replicas in two threads. With one
+    device there is nothing to split: the module itself runs each step, as on Lightning's single device, and then
+    its ``*_step_end`` hook. ``import lightning_mgpu`` also registers 1.x's name, so ``strategy="dp"`` selects this
+    strategy.
+
+    Args:
+        accelerator: the accelerator; Lightning sets it from ``Trainer(accelerator=...)`` when left ``None``.
+        parallel_devices: the devices to replicate onto, the first being the root device; Lightning sets them
+            from ``Trainer(devices=...)`` when left ``None``.
+        checkpoint_io: how checkpoints are written and read; Lightning's default when ``None``.
+        precision_plugin: the precision plugin; its autocast context is entered in every replica thread.
+        sync_batchnorm: BatchNorm layers in training mode normalise each chunk by the statistics of the whole batch,
+            exchanged between the replicas, so they train exactly as on one device (unlike
+            ``torch.nn.DataParallel``). ``False`` normalises each chunk by its own statistics, which saves the
+            exchange and changes the results.
+        device_weights: each device's relative share of every batch, one number per device in ``parallel_devices``
+            order, so the root device, which also holds the gathered outputs and the loss, can take fewer rows:
+            ``[1, 2, 2, 2]`` gives it a seventh of each batch and the three others two sevenths each. Rows are
+            assigned by largest-remainder rounding, in contiguous chunks in batch order, and the loss is still
+            combined by the rows each replica actually received, so training equals one device's. A device whose
+            share of a batch rounds to no rows (a weight of 0, or a batch smaller than the device count) runs no
+            replica for that batch. ``None`` (the default) splits evenly. Checked when the Trainer assigns the
+            devices, so a wrong count fails before any step.
+    """
 
 
 def _nothing_to_restore() -> None:

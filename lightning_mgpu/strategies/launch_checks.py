@@ -14,9 +14,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from lightning.fabric.plugins import ClusterEnvironment
-from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment, TorchElasticEnvironment
 
 from lightning_mgpu.errors import ConfigurationError
+from lightning_mgpu.namespaces import namespace_of
 
 
 @dataclass(frozen=True)
@@ -102,11 +102,14 @@ def check_launch_matches_trainer(
 def _read_launch(
     environment: ClusterEnvironment | None, environ: Mapping[str, str], devices: int, num_nodes: int
 ) -> _Launch | None:
-    if isinstance(environment, TorchElasticEnvironment):
+    namespace = namespace_of(type(environment))  # lightning.fabric's under lightning.pytorch, else lightning_fabric's
+    if namespace is None:
+        return None
+    if isinstance(environment, namespace.TorchElasticEnvironment):
         return _torchrun(environ, devices, num_nodes)
-    if isinstance(environment, SLURMEnvironment):
+    if isinstance(environment, namespace.SLURMEnvironment):
         return _slurm(environ, devices, num_nodes)
-    if isinstance(environment, LightningEnvironment) and "LOCAL_RANK" in environ:
+    if isinstance(environment, namespace.LightningEnvironment) and "LOCAL_RANK" in environ:
         return _by_hand(environ, devices, num_nodes)
     return None  # Lightning starts the processes (or an environment whose variables this module does not know)
 

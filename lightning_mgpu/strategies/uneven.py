@@ -17,7 +17,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import DataLoader
 
 from lightning_mgpu._compat import (
@@ -31,6 +30,7 @@ from lightning_mgpu._compat import (
     with_sampler,
 )
 from lightning_mgpu.engine.reduce import reduce_op_name
+from lightning_mgpu.namespaces import LIGHTNING, namespace_of
 from lightning_mgpu.strategies.samplers import UnevenShardSampler
 from lightning_mgpu.strategies.uneven_checks import (
     check_accumulation_now,
@@ -76,9 +76,11 @@ class UnevenTraining:
         self._training_data: tuple[object] | None = None
         self._stop_watching: Callable[[], None] | None = None
         self._weighting_paused = False
+        self._namespace = LIGHTNING
 
     def setup(self, trainer: pl.Trainer, module: pl.LightningModule, converts_batchnorm_to_sync: bool) -> None:
         """Refuse what cannot be exact, and watch for the training data as the user's code built it."""
+        self._namespace = namespace_of(type(trainer)) or LIGHTNING
         check_uneven_training(trainer, module, converts_batchnorm_to_sync)
         self._stop_watching = watch_training_data(trainer, self._see_training_data)
 
@@ -99,7 +101,8 @@ class UnevenTraining:
         """
         assert self._training_data is not None, "setup watches the training data source before Lightning fetches it"
         data = self._training_data[0]
-        built = training_loader((data if isinstance(data, CombinedLoader) else CombinedLoader(data)).flattened)
+        combined = self._namespace.CombinedLoader
+        built = training_loader((data if isinstance(data, combined) else combined(data)).flattened)
         assert isinstance(dataloader, DataLoader), "Lightning's copy of a DataLoader is a DataLoader"
         assert built.batch_size is not None, "training_loader refuses DataLoaders without a batch_size"
         sampler = lightnings_sampler(dataloader)
@@ -109,7 +112,7 @@ class UnevenTraining:
             drop_last=dataloader.drop_last or sampler.drop_last,
             shuffle=sampler.shuffle and shuffles(built),
         )
-        return with_sampler(dataloader, self.shards)
+        return with_sampler(dataloader, self.shards, self._namespace)
 
     def start_batch(self, trainer: pl.Trainer, batch: Any, batch_idx: int) -> None:
         """Make ``batch`` the step that runs now: its rows, the logged batch size, a padding row's state to keep."""

@@ -17,11 +17,11 @@ from collections.abc import Sequence
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 from lightning_mgpu._compat import BatchNorm
 from lightning_mgpu.errors import ConfigurationError
+from lightning_mgpu.namespaces import LIGHTNING, namespace_of
 from lightning_mgpu.strategies.samplers import is_padding_sampler
 
 _OWNER = "MGPUDDPStrategy(uneven_batches=True)"
@@ -75,8 +75,9 @@ def check_accumulation(trainer: pl.Trainer) -> None:
             f" {why}. Use accumulate_grad_batches=1 with {larger}.",
             setting="Trainer.accumulate_grad_batches",
         )
+    scheduler = (namespace_of(type(trainer)) or LIGHTNING).GradientAccumulationScheduler
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        if isinstance(callback, GradientAccumulationScheduler) and callback.going_to_accumulate_grad_batches():
+        if isinstance(callback, scheduler) and callback.going_to_accumulate_grad_batches():
             schedule = dict(sorted(callback.scheduling.items()))
             first = min(epoch for epoch, factor in schedule.items() if factor > 1)
             raise ConfigurationError(

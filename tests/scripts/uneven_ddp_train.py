@@ -2,23 +2,22 @@
 
 Each rank writes ``rank{N}.json`` under ``--out``: the dataset indices of every batch it ran, the real rows the
 strategy planned for it, every value its logger received, its step count and its ``rows_seen`` buffer; and
-``params{N}.pt``, its parameters at the end.
+``params{N}.pt``, its parameters at the end. ``--pytorch-lightning`` runs it all on ``pytorch_lightning``'s classes,
+with a ``lightning_mgpu.MGPUDDPStrategy`` instance that its Trainer turns into that namespace's strategy.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import torch
 import torchmetrics
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -26,6 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models import regression_data  # noqa: E402
 
 import lightning_mgpu  # noqa: E402
+
+PYTORCH_LIGHTNING = "--pytorch-lightning"
+pl = importlib.import_module("pytorch_lightning" if PYTORCH_LIGHTNING in sys.argv else "lightning.pytorch")
 
 
 def dataset(rows: int) -> TensorDataset:
@@ -39,7 +41,7 @@ def network() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).double()
 
 
-class Uneven(L.LightningModule):
+class Uneven(pl.LightningModule):
     """Per-row errors from the step, the loss and the logged values in ``training_step_end``, as 1.x DP code did.
 
     ``rows_seen`` counts the rows every forward saw (a padding row must not count), ``scale`` is a buffer the
@@ -77,7 +79,7 @@ class Uneven(L.LightningModule):
         return torch.optim.SGD(self.net.parameters(), lr=0.1, momentum=0.9)
 
 
-class Recorder(Logger):
+class Recorder(pl.loggers.Logger):
     """Keeps every value the loop logs, on every rank (Lightning's own loggers write from rank 0 only)."""
 
     def __init__(self) -> None:
@@ -99,20 +101,20 @@ class Recorder(Logger):
         pass
 
 
-class Batches(L.Callback):
+class Batches(pl.Callback):
     def __init__(self, out: Path, logger: Recorder) -> None:
         self.out = out
         self.logger = logger
         self.batches: dict[int, list[list[int]]] = {}
         self.rows: dict[int, list[list[int]]] = {}
 
-    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self.batches.setdefault(trainer.current_epoch, []).append(batch[2].tolist())
         uneven = trainer.strategy._uneven
         shards = uneven.shards if uneven is not None else None
         self.rows.setdefault(trainer.current_epoch, []).append(list(shards.rows(batch_idx)) if shards else [])
 
-    def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+    def on_fit_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         rank = trainer.global_rank
         report = {
             "batches": self.batches,
@@ -135,16 +137,20 @@ def main() -> None:
     parser.add_argument("--uneven", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N steps; 0: none")
     parser.add_argument("--ckpt-in", type=Path)
+    parser.add_argument(PYTORCH_LIGHTNING, action="store_true", help="pytorch_lightning's classes (read on import)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
 
     logger = Recorder()
-    callbacks: list[L.Callback] = [Batches(args.out, logger)]
+    callbacks: list[pl.Callback] = [Batches(args.out, logger)]
     if args.checkpoint_every:
         every = args.checkpoint_every
-        callbacks.append(ModelCheckpoint(args.out / "checkpoints", "{step}", save_top_k=-1, every_n_train_steps=every))
-    trainer = L.Trainer(
+        checkpoint = pl.callbacks.ModelCheckpoint(
+            args.out / "checkpoints", "{step}", save_top_k=-1, every_n_train_steps=every
+        )
+        callbacks.append(checkpoint)
+    trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.devices,
         strategy=lightning_mgpu.MGPUDDPStrategy(uneven_batches=args.uneven, timeout=timedelta(seconds=60)),
