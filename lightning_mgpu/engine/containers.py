@@ -85,24 +85,18 @@ def _copy(value: Any, path: str, remap: Remap, into: Isolated, depth: int) -> An
         return value if replica is None else replica
     if depth > _DEPTH or isinstance(value, PerSample):
         return value
-    if isinstance(value, list):
-        copied = copy.copy(value)
-        for index, item in enumerate(value):
-            if not isinstance(item, _ATOMS):
-                new = _copy(item, f"{path}[{index}]", remap, into, depth + 1)
-                if new is not item:
-                    copied[index] = new
-        into.lists.append((path, value, copied, list(copied)))
-        return copied
-    if isinstance(value, dict):
-        mapping = copy.copy(value)
-        for key, item in value.items():
+    if isinstance(value, (list, dict)):
+        copied: Any = copy.copy(value)
+        for key, item in value.items() if isinstance(value, dict) else enumerate(value):
             if not isinstance(item, _ATOMS):
                 new = _copy(item, f"{path}[{key!r}]", remap, into, depth + 1)
                 if new is not item:
-                    mapping[key] = new
-        into.dicts.append((path, value, mapping, dict(mapping)))
-        return mapping
+                    copied[key] = new
+        if isinstance(value, dict):
+            into.dicts.append((path, value, copied, dict(copied)))
+        else:
+            into.lists.append((path, value, copied, list(copied)))
+        return copied
     if isinstance(value, set):
         members = copy.copy(value)
         into.sets.append((path, value, members, set(members)))
