@@ -279,14 +279,15 @@ class _UpdatesInStep(L.LightningModule):
         (_Counted(), "full_state_update=True"),
         (_Declared(dist_sync_on_step=True), "dist_sync_on_step=True"),
         (_MergesNothing(), "does not add up"),
+        (wrappers.BootStrapper(torchmetrics.MeanSquaredError(), num_bootstraps=3), "full_state_update=True"),
+        (wrappers.Running(torchmetrics.MeanSquaredError(), window=2), "full_state_update=True"),
     ],
-    ids=["pearson", "undeclared", "dist_sync_on_step", "own-merge-refuses"],
+    ids=["pearson", "undeclared", "dist_sync_on_step", "own-merge-refuses", "bootstrapper", "running"],
 )
 def test_a_metric_that_cannot_be_merged_stops_the_first_step_before_any_parameter_changes(
     metric: torchmetrics.Metric, reason: str
 ) -> None:
-    if isinstance(metric, torchmetrics.regression.PearsonCorrCoef):
-        metric = metric.double()
+    metric = metric.double()
     model = _UpdatesInStep(metric)
     before = parameters(model.layer)
     with pytest.raises(ReplicaStateError) as caught:

@@ -28,7 +28,13 @@ import torch
 from torch import nn
 from torchmetrics import CatMetric, Metric, MetricCollection
 
-from lightning_mgpu._compat import caller_module, forget_computed, set_forward_value, set_update_count
+from lightning_mgpu._compat import (
+    caller_module,
+    forget_computed,
+    set_forward_value,
+    set_update_count,
+    version_counter,
+)
 from lightning_mgpu.errors import ReplicaStateError
 
 _UNITS = (Metric, MetricCollection)
@@ -146,6 +152,7 @@ class _Copy:
             self.internal = False
         # A wrapper's reset may leave its own count alone (ClasswiseWrapper resets only its metric): count from here.
         self._counts = {position: self.nodes[position].update_count for position in self.unit.metrics}
+        self._marks = {position: _marks(self.nodes[position]) for position in self.unit.stateful}
 
     @property
     def calling(self) -> bool:
@@ -155,6 +162,17 @@ class _Copy:
     def updated(self, position: int) -> int:
         """How many updates metric ``position`` of this copy counted since ``start``."""
         return int(self.nodes[position].update_count) - self._counts[position]
+
+    def changed(self, position: int) -> bool:
+        """Whether metric ``position`` of this copy counted an update or changed a state since ``start``.
+
+        A wrapper may change its states without counting (``Running`` keeps its window so), or count nothing while
+        its metrics do; either way it took part in the call.
+        """
+        if self.updated(position):
+            return True
+        marks = self._marks.get(position)
+        return marks is not None and marks != _marks(self.nodes[position])
 
     def snapshot(self, position: int) -> None:
         """Keep node ``position``'s state as the open call computes its value from it (one call's rows only)."""
@@ -214,6 +232,14 @@ class _Unit:
         self.nodes = _subtree(root)
         self.metrics = [position for position, node in enumerate(self.nodes) if isinstance(node, Metric)]
         self.stateful = [position for position in self.metrics if _keeps_state(self.nodes[position])]
+        self.within = {  # each metric's position, with the positions of the metrics it holds
+            position: [
+                inner
+                for inner, node in enumerate(self.nodes)
+                if isinstance(node, Metric) and _holds(self.nodes[position], node)
+            ]
+            for position in self.metrics
+        }
         self.device = _device_of(root)
         self.copies = [_Copy(self, device, index) for index, device in enumerate(devices)]
         self.scratch = _Copy(self, self.device, -1)
@@ -230,8 +256,18 @@ class _Unit:
         return f"self.{self.name}.{inner}" if self.name else f"self.{inner}"
 
     def _refusals(self) -> dict[int, str]:
-        """Why ``merge_state`` refuses each metric that cannot be merged, asked of the scratch copy's fresh state."""
+        """Why each metric that cannot be merged cannot be, by position.
+
+        A metric with states of its own is asked: ``merge_state`` of the scratch copy's fresh state. A wrapper whose
+        metrics hold the states has none to merge, and merging them is exact unless it declares its update needs the
+        state so far (``BootStrapper``: ``full_state_update=True``), as torchmetrics would refuse to merge it.
+        """
         refusals = {}
+        for position in self.metrics:
+            node = self.nodes[position]
+            if position not in self.stateful and (node.full_state_update is True or node.dist_sync_on_step):
+                flag = "full_state_update=True" if node.full_state_update is True else "dist_sync_on_step=True"
+                refusals[position] = f"{type(node).__name__} declares {flag}"
         scratch, fresh = self.scratch, self.copies[0]
         scratch.start("forward")
         fresh.start("forward")
@@ -250,11 +286,11 @@ class _Unit:
         self._settled = replicas
         self._values = {}
         self._leaves = None
-        touched = [replica for replica in copies if any(replica.updated(position) for position in self.metrics)]
+        touched = [replica for replica in copies if any(replica.changed(position) for position in self.metrics)]
         if not touched:
             return
         for position, reason in self.refusals.items():
-            if any(replica.updated(position) for replica in touched):
+            if any(replica.changed(inner) for replica in touched for inner in self.within[position]):
                 raise ReplicaStateError(
                     f"{touched[0].method} updated {self.path(position)} ({type(self.nodes[position]).__name__})"
                     f" inside the replicas, and torchmetrics cannot merge the replicas' states into one ({reason})."
@@ -267,11 +303,12 @@ class _Unit:
         for position in self.metrics:
             original = self.nodes[position]
             counts = [replica.updated(position) for replica in touched]
-            if not any(counts):
+            changed = [replica.changed(position) for replica in touched]
+            if not any(changed):
                 continue
             before = original.update_count
             if position in self.stateful:
-                incoming = [replica.nodes[position] for replica, count in zip(touched, counts, strict=True) if count]
+                incoming = [replica.nodes[position] for replica, keep in zip(touched, changed, strict=True) if keep]
                 for metric in incoming:
                     _move_states(metric, self.device)
                 merged = self.scratch.nodes[position]
@@ -345,6 +382,18 @@ class _Unit:
             scratch.internal = False
         self._values[key] = value
         return value
+
+
+def _holds(outer: nn.Module, inner: nn.Module) -> bool:
+    return any(module is inner for module in outer.modules())
+
+
+def _marks(metric: Metric) -> list[tuple[int, int]]:
+    """What a metric's states are now: each one's identity and, for a tensor, its in-place changes, else its length."""
+    return [
+        (id(value), version_counter(value) if isinstance(value, torch.Tensor) else len(value))
+        for value in metric.metric_state.values()
+    ]
 
 
 def _keeps_state(metric: Metric) -> bool:
