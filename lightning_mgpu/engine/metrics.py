@@ -125,6 +125,7 @@ class _Copy:
         self.calls: list[_Call] = []
         self._open: _Call | None = None
         self._counts: dict[int, int] = {}
+        self._marks: dict[int, list[tuple[int, int]]] = {}
         for position, node in enumerate(self.nodes):
             if isinstance(node, _UNITS):
                 node.__dict__["compute"] = _Guard(self, position, "compute", node.compute)
