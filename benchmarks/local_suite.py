@@ -136,7 +136,7 @@ def _split(
     """Medians over steps of each part of an engine step, and of its overhead share.
 
     ``engine``: per step, all the data-parallel layer did (``mgpu_dp``: the strategy's ``training_step``; the bare
-    engine: its four phases); ``compute``: the slowest replica's step body. Overhead is the difference, its share
+    engine: its five phases); ``compute``: the slowest replica's step body. Overhead is the difference, its share
     taken step by step (overhead / that step's duration).
     """
     if len(engine) != len(durations):
@@ -147,6 +147,7 @@ def _split(
         "replicate_s": phases["replicate"],
         "dispatch_s": [a - c for a, c in zip(phases["parallel_apply"], compute, strict=True)],
         "compute_s": compute,
+        "settle_s": phases["settle"],
         "gather_s": phases["gather"],
         "glue_s": [e - k for e, k in zip(engine, known, strict=True)],
         "overhead_s": [e - c for e, c in zip(engine, compute, strict=True)],

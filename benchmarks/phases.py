@@ -8,7 +8,7 @@ from typing import Any
 from lightning_mgpu.engine import data_parallel
 from lightning_mgpu.engine.data_parallel import MGPUDataParallel
 
-PHASES = ("scatter", "replicate", "parallel_apply", "gather")
+PHASES = ("scatter", "replicate", "parallel_apply", "settle", "gather")
 _SCATTERS = ("scatter_to_devices", "scatter_inputs")
 """The scatter functions ``data_parallel`` calls (``run``'s batches, ``forward``'s inputs), where it has them."""
 
@@ -33,8 +33,9 @@ class _Timed:
 class PhaseTimer:
     """Sums into ``seconds`` the time of each phase of ``wrapper``'s calls while started (or inside ``with``).
 
-    ``replicate`` is the replica cache's call alone and ``parallel_apply`` the replica threads' run; preparing the
-    replicas and keeping their buffers fall outside the phases. Scatter is patched on the engine's module, so while
+    ``replicate`` is the replica cache's call alone, ``parallel_apply`` the replica threads' run and ``settle`` putting
+    back what the replicas changed (metrics, containers, reassigned buffers); preparing the replicas falls outside
+    the phases. Scatter is patched on the engine's module, so while
     the timer runs it also counts other wrappers' scatters.
     """
 
@@ -53,6 +54,7 @@ class PhaseTimer:
             setattr(data_parallel, name, _Timed(function, seconds, "scatter"))
         wrapper._replicate = _Timed(wrapper._replicate, seconds, "replicate")  # type: ignore[assignment]
         wrapper._apply_in_threads = _Timed(wrapper._apply_in_threads, seconds, "parallel_apply")  # type: ignore[assignment]
+        wrapper.settle = _Timed(wrapper.settle, seconds, "settle")  # type: ignore[method-assign]
         wrapper.gather = _Timed(wrapper.gather, seconds, "gather")  # type: ignore[method-assign]
         return self
 
@@ -63,6 +65,7 @@ class PhaseTimer:
         self.wrapper._replicate, self.wrapper._apply_in_threads, scatters = self._saved
         for name, function in scatters.items():
             setattr(data_parallel, name, function)
+        del self.wrapper.settle
         del self.wrapper.gather
         self._saved = None
 

@@ -29,7 +29,7 @@ from benchmarks.models import ModelSpec, dataset
 from benchmarks.modules import BenchModule, StepTimer, quiet_lightning, trainer_for
 
 LABELS = (
-    ("lightning_mgpu.strategies.dp", "MGPUDPStrategy._parallel_step", "mgpu::strategy_step"),
+    ("lightning_mgpu.strategies.dp", "MGPUDPLogic._parallel_step", "mgpu::strategy_step"),
     ("lightning_mgpu.engine.data_parallel", "scatter_to_devices", "mgpu::scatter"),
     ("lightning_mgpu.engine.replicate", "ReplicaCache.__call__", "mgpu::replicate"),
     ("lightning_mgpu.step.replicas", "prepare_replica", "mgpu::prepare_replica"),
@@ -37,10 +37,10 @@ LABELS = (
     ("lightning_mgpu.engine.parallel_apply", "ParallelApply.__call__", "mgpu::parallel_apply"),
     ("lightning_mgpu.engine.parallel_apply", "_Job.run", "mgpu::replica_thread"),
     ("benchmarks.modules", "BenchModule.training_step", "mgpu::replica_step_body"),
-    ("lightning_mgpu.engine.replicate", "ReplicaCache.keep_reassigned_buffers", "mgpu::keep_buffers"),
+    ("lightning_mgpu.engine.data_parallel", "MGPUDataParallel.settle", "mgpu::settle"),
     ("lightning_mgpu.step.replicas", "replay", "mgpu::log_replay"),
     ("lightning_mgpu.engine.data_parallel", "MGPUDataParallel.gather", "mgpu::gather"),
-    ("lightning_mgpu.step.replicas", "combine_scalars", "mgpu::reduce_loss"),
+    ("lightning_mgpu.step.replicas", "combine_scalars", "mgpu::combine_scalars"),
 )
 """(module, attribute path, label), in step order."""
 PACKAGE_MARK = f"{os.sep}lightning_mgpu{os.sep}"

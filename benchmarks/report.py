@@ -132,7 +132,7 @@ def overhead_rows(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def phase_table(local: dict[str, Any]) -> list[dict[str, Any]]:
     """Per model and engine variant, milliseconds per step of each part (medians over repeats)."""
-    parts = ("scatter", "replicate", "dispatch", "compute", "gather", "glue", "overhead", "step")
+    parts = ("scatter", "replicate", "dispatch", "compute", "settle", "gather", "glue", "overhead", "step")
     return [
         {"model": model, "variant": variant}
         | {f"{part}_ms": statistics.median(run[f"{part}_s"] for run in runs[variant]) * 1e3 for part in parts}
@@ -182,10 +182,10 @@ def markdown(results: dict[str, Any]) -> str:
     lines += _table(("id", "what", "median", "min", "max", "target", "met"), cells, "llrrrll")
     if results["phases"]:
         lines += ["", "## Where an engine step goes (ms per step, medians)"]
-        header = ("model", "variant", "scatter", "replicate", "dispatch", "replicas' compute", "gather", "glue",
-                  "overhead", "step")  # fmt: skip
+        header = ("model", "variant", "scatter", "replicate", "dispatch", "replicas' compute", "settle", "gather",
+                  "glue", "overhead", "step")  # fmt: skip
         cells = [[f"{v:.3f}" if isinstance(v, float) else v for v in e.values()] for e in results["phases"]]
-        lines += _table(header, cells, "ll" + "r" * 8)
+        lines += _table(header, cells, "ll" + "r" * 9)
     lines += [
         "",
         "## Engine overhead per call (CPU proxy, 1 thread; us, medians over repeats)",
