@@ -205,7 +205,10 @@ def version_counter(tensor: torch.Tensor) -> int:
     """How many times ``tensor`` was changed in place: autograd's version counter, which torch keeps private.
 
     Replicas share a module's plain tensor attributes; a change of this count during a call shows that one changed it.
+    A tensor made in inference mode keeps no count (torch before 2.8 raises when asked): it reads as ``-1``, always.
     """
+    if tensor.is_inference():
+        return -1
     return int(tensor._version)
 
 

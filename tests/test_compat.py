@@ -414,3 +414,43 @@ def test_only_the_forward_lightning_leaves_behind_is_dropped() -> None:
     chosen.__dict__["forward"] = own  # a forward the module's own code set stays
     _compat.drop_forward_left_by_lightning(chosen)
     assert vars(chosen)["forward"] is own
+
+
+def test_the_version_counter_counts_in_place_changes_and_reads_minus_one_for_inference_tensors() -> None:
+    tensor = torch.zeros(2)
+    before = _compat.version_counter(tensor)
+    tensor += 1
+    tensor.mul_(2)
+    assert _compat.version_counter(tensor) == before + 2
+    tensor = tensor + 1  # a new tensor: its own count
+    assert _compat.version_counter(tensor) == 0
+    with torch.inference_mode():
+        made_there = torch.zeros(2)
+        made_there += 1
+    assert _compat.version_counter(made_there) == -1
+
+
+def test_a_metrics_update_count_cached_value_and_step_value_are_set_where_torchmetrics_reads_them() -> None:
+    import torchmetrics
+
+    metric = torchmetrics.SumMetric()
+    metric.update(torch.tensor(2.0))
+    assert metric.compute() == 2.0
+    metric.sum_value = torch.tensor(5.0)  # a merged state, which the cached value does not know
+    assert metric.compute() == 2.0
+    _compat.forget_computed(metric)
+    assert metric.compute() == 5.0
+    _compat.set_update_count(metric, 3)
+    assert metric.update_count == 3
+    _compat.set_forward_value(metric, torch.tensor(7.0))
+    assert metric(torch.tensor(1.0)) == 1.0  # a call replaces it, as the field Lightning logs a step value from
+    _compat.set_forward_value(metric, torch.tensor(7.0))
+    assert metric._forward_cache == 7.0
+
+
+def test_caller_module_names_the_module_of_the_calling_function() -> None:
+    def asks() -> str:
+        return _compat.caller_module(1)
+
+    assert asks() == __name__
+    assert _compat.caller_module(0) == __name__
