@@ -311,8 +311,10 @@ class MGPUDPStrategy(MGPUDPLogic, ParallelStrategy):
     LightningModule is replicated onto the devices, every replica runs the current step (``training_step``,
     ``validation_step``, ``test_step``, ``predict_step``) on its chunk in its own thread, and the outputs are
     gathered on the root device in batch order. A ``*_step_end`` hook on the LightningModule then receives the
-    gathered output; that is where the loss and batch-wise reductions belong. Without ``training_step_end`` the
-    replicas' losses are averaged weighted by their chunk sizes, which equals the single-device loss.
+    gathered output; that is where the loss and batch-wise reductions belong. Without the hook each 0-dim value the
+    replicas return (the loss) is averaged weighted by their chunk sizes, which equals the single-device value of a
+    mean over the rows. What a step changes besides parameters and buffers (torchmetrics metrics, lists) is each
+    replica's own and goes back into the module in batch order after the step.
 
     On CPU, or where a device repeats, replicas alias the original parameters, so
     ``Trainer(accelerator="cpu", devices=2, strategy="mgpu_dp")`` runs two real replicas in two threads. With one
