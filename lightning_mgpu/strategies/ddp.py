@@ -26,17 +26,25 @@ from lightning_mgpu._compat import (
     LaunchCheck,
     converts_batchnorm_to_sync,
     is_unused_parameters_error,
+    logged_batch_size,
     unused_parameter_indices,
     with_sampler,
 )
 from lightning_mgpu.engine.reduce import reduce_op_name
+from lightning_mgpu.engine.scatter import batch_size_of
 from lightning_mgpu.errors import ConfigurationError
 from lightning_mgpu.namespaces import Bindings, namespace_of
 from lightning_mgpu.step.health import StepHealth, stop_iteration_is_an_error
-from lightning_mgpu.step.hooks import call_step_end, caller_runs_step_end
+from lightning_mgpu.step.hooks import call_step_end, caller_runs_step_end, has_step_end
 from lightning_mgpu.strategies.base import MGPUStrategyMixin, bind_strategy
 from lightning_mgpu.strategies.launch_checks import check_launch_matches_trainer
-from lightning_mgpu.strategies.samplers import EvenlyShardedSampler, is_padding_sampler
+from lightning_mgpu.strategies.rank_gather import NO_OUTPUT, RankGather
+from lightning_mgpu.strategies.samplers import (
+    EvenlyShardedSampler,
+    evaluation_shards,
+    evaluation_shards_of,
+    is_padding_sampler,
+)
 from lightning_mgpu.strategies.uneven import UnevenTraining, reduce_over_real_rows
 
 if TYPE_CHECKING:
@@ -105,6 +113,11 @@ def _release_process_group() -> None:
         time.sleep(_EXIT_GRACE_S)
 
 
+def _dataloader_index(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Which evaluation DataLoader a step's batch comes from: Lightning passes it only when there are several."""
+    return int(args[2]) if len(args) > 2 else int(kwargs.get("dataloader_idx", 0))
+
+
 def lightning_ddp_names(strategy_registry: Any, ddp_strategy: type) -> dict[str, dict[str, Any]]:
     """Lightning's registered names for its own ``DDPStrategy`` (``ddp``, ``ddp_spawn``, ...), with their settings.
 
@@ -141,6 +154,7 @@ class MGPUDDPLogic(MGPUStrategyMixin, LaunchCheck, _Base):
         static_graph: bool = False,
         gradient_as_bucket_view: bool = False,
         uneven_batches: bool = False,
+        gather_step_end: bool = False,
         **kwargs: Any,
     ) -> None:
         if uneven_batches and kwargs.get("model_averaging_period") is not None:
@@ -171,6 +185,8 @@ class MGPUDDPLogic(MGPUStrategyMixin, LaunchCheck, _Base):
         self.broadcast_buffers = broadcast_buffers
         self._uneven: UnevenTraining | None = None
         self.uneven_batches = uneven_batches
+        self.gather_step_end = gather_step_end
+        self._gathers: dict[str, RankGather] = {}
         self._health = StepHealth(self.strategy_name)
 
     @classmethod
@@ -240,7 +256,8 @@ class MGPUDDPLogic(MGPUStrategyMixin, LaunchCheck, _Base):
             assert self.lightning_module is not None
             self._health.check_batchnorm(self.lightning_module, "each rank's batch", self._batchnorm_fix())
         with stop_iteration_is_an_error("training_step"), caller_runs_step_end():
-            output = self._step_end("training_step", super().training_step(*args, **kwargs))
+            output = super().training_step(*args, **kwargs)
+            output = self._step_end("training_step", output, self._training_rows(args))
         if self._uneven is not None:
             self._uneven.undo_padding_step(self._trainer())
         self._health.check_loss(output, self._where)
@@ -249,12 +266,12 @@ class MGPUDDPLogic(MGPUStrategyMixin, LaunchCheck, _Base):
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with stop_iteration_is_an_error("validation_step"), caller_runs_step_end():
-            return self._step_end("validation_step", self._evaluate("validation_step", args, kwargs))
+            return self._evaluation_step("validation_step", args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with stop_iteration_is_an_error("test_step"), caller_runs_step_end():
-            return self._step_end("test_step", self._evaluate("test_step", args, kwargs))
+            return self._evaluation_step("test_step", args, kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -295,6 +312,9 @@ class MGPUDDPLogic(MGPUStrategyMixin, LaunchCheck, _Base):
         """
         if self._stage() in _EVALUATION_STAGES and is_padding_sampler(getattr(dataloader, "sampler", None)):
             sampler = dataloader.sampler  # type: ignore[attr-defined]
+            if self._gathers_evaluation():
+                stepped = evaluation_shards(dataloader, sampler)  # type: ignore[arg-type]
+                return with_sampler(dataloader, stepped, self._namespace)  # type: ignore[arg-type]
             unpadded = EvenlyShardedSampler.like(sampler)
             return with_sampler(dataloader, unpadded, self._namespace)  # type: ignore[arg-type]
         if self._uneven is not None and self._stage() == RunningStage.TRAINING:
@@ -319,7 +339,8 @@ class MGPUDDPLogic(MGPUStrategyMixin, LaunchCheck, _Base):
         if self._uneven is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         trainer = self._trainer()
-        scale = self._uneven.loss_scale(trainer, self.world_size)
+        # A loss over the gathered batch is the whole step's already, on every rank alike: nothing to scale.
+        scale = None if self._gathers_now("training_step") else self._uneven.loss_scale(trainer, self.world_size)
         if scale is not None:
             closure_loss = closure_loss * scale
         try:
@@ -361,11 +382,54 @@ class MGPUDDPLogic(MGPUStrategyMixin, LaunchCheck, _Base):
         step = self.lightning_module.global_step if self.lightning_module is not None else 0
         return f"at step {step} on rank {self.global_rank}"
 
-    def _step_end(self, step: str, output: Any) -> Any:
-        """This rank's output goes to the ``*_step_end`` hook, as the gathered output does under ``mgpu_dp``."""
+    def _step_end(self, step: str, output: Any, rows: int | None = None, total: int | None = None) -> Any:
+        """The ``*_step_end`` hook gets this rank's output, or with ``gather_step_end`` every rank's, gathered.
+
+        ``rows`` are this rank's real rows (0: a padding row, whose output is gathered but not merged) and ``total``
+        the step's on every rank, by which values logged in the hook are weighted, as one device weights its batch.
+        """
         module = self.lightning_module
         assert module is not None
-        return call_step_end(module, step, output)
+        if rows is None or not self._gathers_now(step):
+            return call_step_end(module, step, output)
+        gathered = self._gathers.setdefault(step, RankGather(step))
+        differentiable = step == "training_step" and torch.is_grad_enabled()
+        output = gathered(output, rows, self.root_device, differentiable)
+        with logged_batch_size(self._trainer(), total if total is not None else gathered.rows):
+            return call_step_end(module, step, output)
+
+    def _gathers_now(self, step: str) -> bool:
+        """Whether ``step``'s outputs are gathered from every rank for its ``*_step_end`` hook."""
+        module = self.lightning_module
+        return (
+            self.gather_step_end
+            and step != "predict_step"
+            and self.world_size > 1
+            and module is not None
+            and has_step_end(module, step)
+        )
+
+    def _gathers_evaluation(self) -> bool:
+        """Whether the evaluation that runs now gathers, so its ranks run their batches in steps, together."""
+        stage = self._stage()
+        step = "test_step" if stage == RunningStage.TESTING else "validation_step"
+        return self._gathers_now(step)
+
+    def _training_rows(self, args: tuple[Any, ...]) -> int | None:
+        """This rank's real rows in the training step that runs (0 for a padding row), where they are gathered."""
+        if not self._gathers_now("training_step"):
+            return None
+        running = None if self._uneven is None else self._uneven.running(self._trainer())
+        return running.rows if running is not None else batch_size_of(args[0])
+
+    def _evaluation_step(self, step: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """An evaluation step and its ``*_step_end``; a rank whose batch is a padding row runs only the gather."""
+        if not self._gathers_now(step):
+            return self._step_end(step, self._evaluate(step, args, kwargs))
+        shards = evaluation_shards_of(self._trainer(), step, _dataloader_index(args, kwargs))
+        rows, total = shards.rows(args[1])
+        output = self._evaluate(step, args, kwargs) if rows else NO_OUTPUT
+        return self._step_end(step, output, rows, total)
 
     def _evaluate(self, step: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run an evaluation step on the module itself, never through the DDP wrapper.

@@ -1,0 +1,106 @@
+"""``MGPUDDPStrategy(gather_step_end=True)``: a loss or metric over the whole batch under ``mgpu_ddp`` is one device's.
+
+tests/scripts/gather_ddp_train.py trains each model of tests/batch_losses.py on 2 and 3 gloo processes with
+``uneven_batches=True`` (23 training rows in steps of 4 rows per rank: the last step uneven, on 3 ranks a rank with a
+padding row... or none); here the same model trains on one device with batches of every rank's rows together, and
+every rank must match it to 1e-6 in float64: the loss at every step, the values logged, the first step's gradients
+(after DDP's average), the parameters at the end. Without the option each rank's hook sees its own rows, and the
+parameters differ.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from batch_losses import MODELS, views
+from processes import clean_env, free_port, run
+from torch.utils.data import DataLoader
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "scripts" / "gather_ddp_train.py"
+ROWS, VAL_ROWS, BATCH, EPOCHS = 23, 13, 4, 2
+
+sys.path.insert(0, str(ROOT / "tests" / "scripts"))
+from gather_ddp_train import Recorder, Report  # noqa: E402
+
+
+def _launch(out: Path, model: str, ranks: int, *flags: str) -> list[dict[str, Any]]:
+    command = [sys.executable, str(SCRIPT), "--model", model, "--out", str(out), "--devices", str(ranks)]
+    command += ["--rows", str(ROWS), "--val-rows", str(VAL_ROWS), "--batch", str(BATCH), "--epochs", str(EPOCHS)]
+    result = run([*command, *flags], clean_env(MASTER_PORT=str(free_port())), timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(ranks)]
+
+
+def _one_device(model: str, ranks: int, out: Path) -> dict[str, Any]:
+    """The same training on one device, each batch holding what the ranks' batches of one step hold together."""
+    out.mkdir(parents=True)
+    logger = Recorder()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=EPOCHS,
+        logger=logger,
+        log_every_n_steps=1,
+        callbacks=[Report(out, logger)],
+        enable_checkpointing=False,
+        default_root_dir=out,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    train = DataLoader(views(ROWS), batch_size=ranks * BATCH, shuffle=False)
+    val = DataLoader(views(VAL_ROWS, seed=1), batch_size=ranks * BATCH)
+    trainer.fit(MODELS[model](), train, val)
+    return json.loads((out / "rank0.json").read_text())
+
+
+def _close(actual: Any, expected: Any, what: str) -> None:
+    torch.testing.assert_close(
+        torch.tensor(actual, dtype=torch.float64),
+        torch.tensor(expected, dtype=torch.float64),
+        atol=1e-6,
+        rtol=0,
+        msg=what,
+    )
+
+
+def _logged(entries: list[dict[str, float]]) -> list[dict[str, float]]:
+    return [{key: value for key, value in entry.items() if key != "epoch"} for entry in entries]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_a_whole_batch_loss_under_mgpu_ddp_equals_one_device(model: str, ranks: int, tmp_path: Path) -> None:
+    expected = _one_device(model, ranks, tmp_path / "one")
+    reports = _launch(tmp_path / "ddp", model, ranks)
+    for rank, report in enumerate(reports):
+        _close(report["losses"], expected["losses"], f"rank {rank}: the loss at each step")
+        assert report["gradients"].keys() == expected["gradients"].keys()
+        for name, gradient in expected["gradients"].items():
+            _close(report["gradients"][name], gradient, f"rank {rank}: the first step's gradient of {name}")
+        for name, value in expected["parameters"].items():
+            _close(report["parameters"][name], value, f"rank {rank}: parameter {name}")
+    logged, wanted = _logged(reports[0]["logged"]), _logged(expected["logged"])
+    assert [sorted(entry) for entry in logged] == [sorted(entry) for entry in wanted]
+    for index, (entry, want) in enumerate(zip(logged, wanted, strict=True)):
+        _close([entry[key] for key in sorted(want)], [want[key] for key in sorted(want)], f"logged values {index}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_without_gather_step_end_each_ranks_rows_alone_give_other_parameters(model: str, tmp_path: Path) -> None:
+    expected = _one_device(model, 2, tmp_path / "one")
+    report = _launch(tmp_path / "ddp", model, 2, "--no-gather")[0]
+    differences = [
+        max(abs(a - b) for a, b in zip(report["parameters"][name], value, strict=True))
+        for name, value in expected["parameters"].items()
+    ]
+    assert max(differences) > 1e-3
