@@ -6,7 +6,6 @@ import inspect
 import json
 import os
 import pickle
-import signal
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from processes import (
     run,
     run_ddp_script,
     single_device_parameters,
+    still_running,
 )
 from torch.nn.parallel import DistributedDataParallel
 
@@ -134,32 +134,14 @@ def test_training_shuffles_differently_every_epoch(tmp_path: Path) -> None:
     assert reports[0]["rows"]["0"] != reports[0]["rows"]["1"]
 
 
-def _pids(out: Path) -> list[int]:
-    return [int(path.read_text()) for path in out.glob("pid-*")]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def _assert_every_process_ends(tmp_path: Path, scenario: str, fail_rank: int) -> subprocess.CompletedProcess:
     started = time.monotonic()
     result = run_ddp_script(
         tmp_path, "--scenario", scenario, "--fail-rank", str(fail_rank), "--timeout", "20", "--epochs", "5", timeout=120
     )
     assert result.returncode != 0
-    deadline = time.monotonic() + 60
-    while any(_alive(pid) for pid in _pids(tmp_path)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    survivors = [pid for pid in _pids(tmp_path) if _alive(pid)]
-    for pid in survivors:
-        os.kill(pid, signal.SIGKILL)
-    assert len(_pids(tmp_path)) == 2
-    assert not survivors, "a rank kept running after another one failed"
+    assert len(list(tmp_path.glob("pid-*"))) == 2
+    assert not still_running(tmp_path), "a rank kept running after another one failed"
     assert time.monotonic() - started < 90
     return result
 

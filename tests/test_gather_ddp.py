@@ -11,7 +11,10 @@ parameters differ.
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +22,7 @@ import lightning as L
 import pytest
 import torch
 from batch_losses import MODELS, views
-from processes import clean_env, free_port, run
+from processes import clean_env, free_port, run, still_running
 from torch.utils.data import DataLoader
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,10 +33,14 @@ sys.path.insert(0, str(ROOT / "tests" / "scripts"))
 from gather_ddp_train import Recorder, Report  # noqa: E402
 
 
-def _launch(out: Path, model: str, ranks: int, *flags: str) -> list[dict[str, Any]]:
+def _run(out: Path, model: str, ranks: int, *flags: str) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, str(SCRIPT), "--model", model, "--out", str(out), "--devices", str(ranks)]
     command += ["--rows", str(ROWS), "--val-rows", str(VAL_ROWS), "--batch", str(BATCH), "--epochs", str(EPOCHS)]
-    result = run([*command, *flags], clean_env(MASTER_PORT=str(free_port())), timeout=180)
+    return run([*command, *flags], clean_env(MASTER_PORT=str(free_port())), timeout=180)
+
+
+def _launch(out: Path, model: str, ranks: int, *flags: str) -> list[dict[str, Any]]:
+    result = _run(out, model, ranks, *flags)
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(ranks)]
 
@@ -95,6 +102,35 @@ def test_a_whole_batch_loss_under_mgpu_ddp_equals_one_device(model: str, ranks: 
 
 
 @pytest.mark.slow
+def test_two_nodes_through_torchrun_gather_as_one_device(tmp_path: Path) -> None:
+    """One process on each of two nodes (two torchrun agents on this machine): the retrieval model, trained and
+    validated, against one device."""
+    expected = _one_device("retrieval", 2, tmp_path / "one")
+    out, port = tmp_path / "nodes", str(free_port())
+    processes = []
+    for node in (0, 1):
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+            "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port,
+            str(SCRIPT), "--model", "retrieval", "--out", str(out), "--devices", "1", "--num-nodes", "2",
+            "--rows", str(ROWS), "--val-rows", str(VAL_ROWS), "--batch", str(BATCH), "--epochs", str(EPOCHS),
+        ]  # fmt: skip
+        processes.append(subprocess.Popen(command, env=clean_env(), stderr=subprocess.PIPE, text=True))
+    errors = [process.communicate(timeout=180)[1] for process in processes]
+    assert [process.returncode for process in processes] == [0, 0], "".join(error[-3000:] for error in errors)
+    for rank in (0, 1):
+        report = json.loads((out / f"rank{rank}.json").read_text())
+        _close(report["losses"], expected["losses"], f"rank {rank}: the loss at each step")
+        for name, value in expected["parameters"].items():
+            _close(report["parameters"][name], value, f"rank {rank}: parameter {name}")
+    logged = [entry["val_retrieval_acc"] for entry in _logged(json.loads((out / "rank0.json").read_text())["logged"])
+              if "val_retrieval_acc" in entry]  # fmt: skip
+    wanted = [entry["val_retrieval_acc"] for entry in expected["logged"] if "val_retrieval_acc" in entry]
+    assert len(wanted) == EPOCHS
+    _close(logged, wanted, "the validation accuracy of each epoch")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_without_gather_step_end_each_ranks_rows_alone_give_other_parameters(model: str, tmp_path: Path) -> None:
     expected = _one_device(model, 2, tmp_path / "one")
@@ -104,3 +140,36 @@ def test_without_gather_step_end_each_ranks_rows_alone_give_other_parameters(mod
         for name, value in expected["parameters"].items()
     ]
     assert max(differences) > 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("broken", "path", "says"),
+    [
+        ("keys", "output", r"output of rank 1 has keys \['a', 'b', 'extra'\] but rank 0 returned \['a', 'b'\]"),
+        ("object", "output['lock']", r"output\['lock'\] in rank 0 is a lock"),
+    ],
+)
+def test_outputs_that_cannot_be_gathered_stop_every_rank_at_the_first_step(
+    broken: str, path: str, says: str, tmp_path: Path
+) -> None:
+    started = time.monotonic()
+    result = _run(tmp_path, "clip", 2, "--break", broken, "--slow-rank", "1")
+    assert result.returncode != 0
+    assert len(re.findall(says, result.stderr)) == 2, result.stderr[-3000:]  # raised on both ranks, not one
+    assert "every rank raises this error" in result.stderr
+    assert len(list(tmp_path.glob("pid-*"))) == 2
+    assert not still_running(tmp_path), "a rank kept running after the gather refused the outputs"
+    assert time.monotonic() - started < 60
+
+
+@pytest.mark.slow
+def test_a_rank_that_raises_while_another_is_busy_ends_every_rank(tmp_path: Path) -> None:
+    """Rank 0's step raises while rank 1 computes outside any collective; rank 1 then fails at the gather."""
+    started = time.monotonic()
+    result = _run(tmp_path, "clip", 2, "--break", "raise", "--slow-rank", "1")
+    assert result.returncode != 0
+    assert "rank 0 fails on purpose" in result.stderr
+    assert len(list(tmp_path.glob("pid-*"))) == 2
+    assert not still_running(tmp_path), "a rank kept running after another one raised"
+    assert time.monotonic() - started < 60

@@ -1,16 +1,22 @@
 """Trains a whole-batch loss of tests/batch_losses.py under ``mgpu_ddp``; tests/test_gather_ddp.py checks it.
 
 ``MGPUDDPStrategy(uneven_batches=True, gather_step_end=...)`` on ``--devices`` gloo processes, ``--batch`` rows per
-rank, the data in its own order. Each rank writes ``rank{N}.json`` under ``--out``: the loss Lightning received at
-every step, every value its logger received, the gradients of the first step (after DDP's average) and the
-parameters at the end.
+rank, the data in its own order. Each rank writes ``pid-rank{N}`` at the start and, at the end, ``rank{N}.json``
+under ``--out``: the loss Lightning received at every step, every value its logger received, the gradients of the
+first step (after DDP's average) and the parameters. ``--break keys`` makes rank 1's training outputs hold a key the
+others lack, ``--break object`` every rank's an object that cannot be pickled, ``--break raise`` rank 0's step
+raise; ``--slow-rank`` keeps a rank busy in each
+step, outside any collective.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -71,18 +77,42 @@ class Report(L.Callback):
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
 
 
+def broken(model: type[L.LightningModule], how: str | None, slow_rank: int | None) -> type[L.LightningModule]:
+    """``model`` whose training outputs differ between ranks as ``how`` says, or whose ``slow_rank`` is slow."""
+
+    class Broken(model):  # type: ignore[misc,valid-type]
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            output = super().training_step(batch, batch_idx)
+            if self.global_rank == slow_rank:
+                time.sleep(2)
+            if how == "keys" and self.global_rank == 1:
+                output["extra"] = output["a"]
+            if how == "object":
+                output["lock"] = threading.Lock()
+            if how == "raise" and self.global_rank == 0:
+                raise RuntimeError("rank 0 fails on purpose")
+            return output
+
+    return Broken
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", choices=sorted(MODELS), required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--rows", type=int, default=23)
     parser.add_argument("--val-rows", type=int, default=13)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--gather", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--break", dest="broken", choices=["keys", "object", "raise"])
+    parser.add_argument("--slow-rank", type=int)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))
+    (args.out / f"pid-rank{rank}").write_text(str(os.getpid()))
     torch.set_num_threads(1)
 
     logger = Recorder()
@@ -92,6 +122,7 @@ def main() -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
+        num_nodes=args.num_nodes,
         strategy=strategy,
         max_epochs=args.epochs,
         logger=logger,
@@ -105,7 +136,7 @@ def main() -> None:
     )
     train = DataLoader(views(args.rows), batch_size=args.batch, shuffle=False)
     val = DataLoader(views(args.val_rows, seed=1), batch_size=args.batch)
-    trainer.fit(MODELS[args.model](), train, val)
+    trainer.fit(broken(MODELS[args.model], args.broken, args.slow_rank)(), train, val)
 
 
 if __name__ == "__main__":
