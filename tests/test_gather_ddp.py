@@ -147,6 +147,11 @@ def test_without_gather_step_end_each_ranks_rows_alone_give_other_parameters(mod
     ("broken", "path", "says"),
     [
         ("keys", "output", r"output of rank 1 has keys \['a', 'b', 'extra'\] but rank 0 returned \['a', 'b'\]"),
+        (
+            "dtype",
+            "output['a']",
+            r"output\['a'\] is a torch.float32 tensor in rank 1 but a torch.float64 tensor elsewhere",
+        ),
         ("object", "output['lock']", r"output\['lock'\] in rank 0 is a lock"),
     ],
 )

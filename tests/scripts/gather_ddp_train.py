@@ -87,6 +87,8 @@ def broken(model: type[L.LightningModule], how: str | None, slow_rank: int | Non
                 time.sleep(2)
             if how == "keys" and self.global_rank == 1:
                 output["extra"] = output["a"]
+            if how == "dtype" and self.global_rank == 1:
+                output["a"] = output["a"].float()
             if how == "object":
                 output["lock"] = threading.Lock()
             if how == "raise" and self.global_rank == 0:
@@ -107,7 +109,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--gather", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--break", dest="broken", choices=["keys", "object", "raise"])
+    parser.add_argument("--break", dest="broken", choices=["keys", "dtype", "object", "raise"])
     parser.add_argument("--slow-rank", type=int)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
