@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import difflib
+import functools
 import inspect
 import time
 import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -77,8 +80,69 @@ def buffer_sync_keyword() -> str:
     torch 2.13 deprecates ``broadcast_buffers`` (with a FutureWarning) in favour of ``forward_sync_buffers``; older
     torch knows only ``broadcast_buffers``.
     """
-    parameters = inspect.signature(DistributedDataParallel.__init__).parameters
-    return "forward_sync_buffers" if "forward_sync_buffers" in parameters else "broadcast_buffers"
+    return (
+        "forward_sync_buffers" if "forward_sync_buffers" in _keywords(DistributedDataParallel) else "broadcast_buffers"
+    )
+
+
+_SET_BY_THE_STRATEGY = ("module", "device_ids", "output_device")
+"""The keywords of ``DistributedDataParallel`` that the strategy fills in: Lightning's passes the module and
+``device_ids``, and ``output_device`` defaults to ``device_ids[0]``."""
+
+
+@functools.cache
+def strategy_keywords(strategy: type) -> tuple[str, ...]:
+    """Every keyword ``strategy(...)`` takes, sorted: its own, Lightning's ``DDPStrategy``'s and DDP's.
+
+    Read from the ``__init__`` of each class from ``strategy`` to its namespace's ``DDPStrategy``, and from the
+    installed torch's ``DistributedDataParallel``, less ``_SET_BY_THE_STRATEGY``; so a keyword added to any of them
+    is taken, and suggested for a misspelling, without a list to update.
+    """
+    namespace = namespace_of(strategy)
+    assert namespace is not None, "a strategy's binding has a Lightning base"
+    hierarchy = strategy.__mro__[: strategy.__mro__.index(namespace.DDPStrategy) + 1]
+    names = {name for klass in hierarchy for name in _keywords(klass)}
+    names |= set(_keywords(DistributedDataParallel)) - set(_SET_BY_THE_STRATEGY)
+    return tuple(sorted(names))
+
+
+def check_strategy_keywords(strategy: type, kwargs: Mapping[str, Any]) -> None:
+    """Refuse the keywords that would reach DDP and stop every rank in ``setup``, while the strategy is built.
+
+    Args:
+        strategy: the class being built.
+        kwargs: the keywords its ``__init__`` does not name, which go to Lightning's ``DDPStrategy`` and from there
+            to ``DistributedDataParallel``; a keyword of ``_SET_BY_THE_STRATEGY`` is refused unless it is ``None``.
+
+    Raises:
+        ConfigurationError: a keyword no class on the way takes, with the closest one that is taken (or all of
+            them), or one the strategy sets itself, with why.
+    """
+    accepted = strategy_keywords(strategy)
+    for name, value in kwargs.items():
+        if name in _SET_BY_THE_STRATEGY and value is not None:
+            raise ConfigurationError(
+                f"{strategy.__name__}({name}=...) is refused: the strategy gives DistributedDataParallel its module,"
+                " device_ids and output_device itself (the LightningModule, and on CUDA the device of each process's"
+                " local rank). Choose the devices with Trainer(devices=...), e.g. Trainer(devices=[0, 1]), and leave"
+                f" {name} out.",
+                setting=f"MGPUDDPStrategy.{name}",
+            )
+        if name not in accepted and name not in _SET_BY_THE_STRATEGY:
+            close = difflib.get_close_matches(name, accepted, n=1)
+            hint = f"Did you mean {close[0]}?" if close else f"The keywords it takes: {', '.join(accepted)}."
+            raise ConfigurationError(
+                f"{strategy.__name__} takes no keyword {name!r}: neither it, Lightning's DDPStrategy nor torch's"
+                f" DistributedDataParallel (torch {torch.__version__}) has one of that name. {hint}",
+                setting=f"MGPUDDPStrategy.{name}",
+            )
+
+
+def _keywords(function: Callable[..., Any]) -> list[str]:
+    """The parameters of ``function`` (of a class: its ``__init__``) that a keyword argument sets."""
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    parameters = inspect.signature(function).parameters.values()
+    return [parameter.name for parameter in parameters if parameter.kind in kinds]
 
 
 def release_process_group_at_exit() -> None:
@@ -155,8 +219,15 @@ class MGPUDDPLogic(MGPUStrategyMixin, LaunchCheck, _Base):
         gradient_as_bucket_view: bool = False,
         uneven_batches: bool = False,
         gather_step_end: bool = False,
+        forward_sync_buffers: bool | None = None,
         **kwargs: Any,
     ) -> None:
+        check_strategy_keywords(type(self), kwargs)
+        # None (checked), which leaves it to the strategy. Not kwargs.pop(name): jsonargparse would stop following
+        # **kwargs into DDP, and the command line would refuse DDP's keywords.
+        for name in _SET_BY_THE_STRATEGY:
+            if name in kwargs:
+                del kwargs[name]
         if uneven_batches and kwargs.get("model_averaging_period") is not None:
             raise ConfigurationError(
                 "MGPUDDPStrategy(uneven_batches=True) cannot be combined with model_averaging_period: post-local SGD"
@@ -164,7 +235,6 @@ class MGPUDDPLogic(MGPUStrategyMixin, LaunchCheck, _Base):
                 " step. Remove model_averaging_period, or leave uneven_batches off.",
                 setting="MGPUDDPStrategy.model_averaging_period",
             )
-        forward_sync_buffers = kwargs.pop("forward_sync_buffers", None)  # torch 2.13's name for the same switch
         if forward_sync_buffers is not None:
             broadcast_buffers = bool(forward_sync_buffers)
         super().__init__(
@@ -518,6 +588,16 @@ class MGPUDDPStrategy(MGPUDDPLogic, LightningDDPStrategy):
             (:mod:`~lightning_mgpu.strategies.uneven_checks`) raises ``ConfigurationError`` on every rank before the
             first step. Off by default: training then uses Lightning's ``DistributedSampler``, which pads the last
             shards with duplicate samples.
+        gather_step_end: give every rank's ``training_step_end``, ``validation_step_end`` and ``test_step_end``
+            every rank's step output, merged in batch order as ``mgpu_dp`` merges its replicas'
+            (:mod:`~lightning_mgpu.strategies.rank_gather`); in training the gather is differentiable, so a loss over
+            the whole batch, written as for one device, gets one device's gradients. Outputs that cannot be gathered
+            raise ``GatherError`` on every rank at the first step. Costs each rank the world size times its outputs
+            (and their gradient). Off by default: each rank's hook gets its own output.
+        forward_sync_buffers: torch 2.13's name for ``broadcast_buffers``, taken on any torch; it wins when given.
         **kwargs: passed to ``DistributedDataParallel`` (``bucket_cap_mb``, ...); ``ddp_comm_state``,
             ``ddp_comm_hook``, ``ddp_comm_wrapper`` and ``model_averaging_period`` go to Lightning's DDP strategy.
+            A keyword that neither takes (read from the installed torch and Lightning) raises ``ConfigurationError``
+            here, naming the closest one taken, instead of failing every rank in ``setup``; so do ``module``,
+            ``device_ids`` and ``output_device``, which the strategy sets (``None`` is taken and left to it).
     """
