@@ -45,13 +45,14 @@ def _launch(out: Path, model: str, ranks: int, *flags: str) -> list[dict[str, An
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(ranks)]
 
 
-def _one_device(model: str, ranks: int, out: Path) -> dict[str, Any]:
-    """The same training on one device, each batch holding what the ranks' batches of one step hold together."""
+def _one_device(model: str, ranks: int, out: Path, **trainer: Any) -> dict[str, Any]:
+    """The same training on one device (unless ``trainer`` says otherwise), each batch holding what the ranks'
+    batches of one step hold together."""
     out.mkdir(parents=True)
     logger = Recorder()
-    trainer = L.Trainer(
+    fit = L.Trainer(
         accelerator="cpu",
-        devices=1,
+        devices=trainer.pop("devices", 1),
         max_epochs=EPOCHS,
         logger=logger,
         log_every_n_steps=1,
@@ -61,10 +62,11 @@ def _one_device(model: str, ranks: int, out: Path) -> dict[str, Any]:
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
+        **trainer,
     )
     train = DataLoader(views(ROWS), batch_size=ranks * BATCH, shuffle=False)
     val = DataLoader(views(VAL_ROWS, seed=1), batch_size=ranks * BATCH)
-    trainer.fit(MODELS[model](), train, val)
+    fit.fit(MODELS[model](), train, val)
     return json.loads((out / "rank0.json").read_text())
 
 
@@ -82,6 +84,26 @@ def _logged(entries: list[dict[str, float]]) -> list[dict[str, float]]:
     return [{key: value for key, value in entry.items() if key != "epoch"} for entry in entries]
 
 
+def _assert_trains_as(report: dict[str, Any], expected: dict[str, Any], who: str) -> None:
+    _close(report["losses"], expected["losses"], f"{who}: the loss at each step")
+    assert report["gradients"].keys() == expected["gradients"].keys()
+    for name, gradient in expected["gradients"].items():
+        _close(report["gradients"][name], gradient, f"{who}: the first step's gradient of {name}")
+    for name, value in expected["parameters"].items():
+        _close(report["parameters"][name], value, f"{who}: parameter {name}")
+    logged, wanted = _logged(report["logged"]), _logged(expected["logged"])
+    assert [sorted(entry) for entry in logged] == [sorted(entry) for entry in wanted]
+    for index, (entry, want) in enumerate(zip(logged, wanted, strict=True)):
+        _close([entry[key] for key in sorted(want)], [want[key] for key in sorted(want)], f"logged values {index}")
+
+
+@pytest.mark.parametrize("repeat", range(2))  # the replicas are threads: the result must not depend on their timing
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_the_same_modules_under_mgpu_dp_equal_one_device(model: str, repeat: int, tmp_path: Path) -> None:
+    expected = _one_device(model, 2, tmp_path / "one")
+    _assert_trains_as(_one_device(model, 2, tmp_path / "dp", devices=2, strategy="mgpu_dp"), expected, "mgpu_dp")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", [2, 3])
 @pytest.mark.parametrize("model", sorted(MODELS))
@@ -89,16 +111,7 @@ def test_a_whole_batch_loss_under_mgpu_ddp_equals_one_device(model: str, ranks: 
     expected = _one_device(model, ranks, tmp_path / "one")
     reports = _launch(tmp_path / "ddp", model, ranks)
     for rank, report in enumerate(reports):
-        _close(report["losses"], expected["losses"], f"rank {rank}: the loss at each step")
-        assert report["gradients"].keys() == expected["gradients"].keys()
-        for name, gradient in expected["gradients"].items():
-            _close(report["gradients"][name], gradient, f"rank {rank}: the first step's gradient of {name}")
-        for name, value in expected["parameters"].items():
-            _close(report["parameters"][name], value, f"rank {rank}: parameter {name}")
-    logged, wanted = _logged(reports[0]["logged"]), _logged(expected["logged"])
-    assert [sorted(entry) for entry in logged] == [sorted(entry) for entry in wanted]
-    for index, (entry, want) in enumerate(zip(logged, wanted, strict=True)):
-        _close([entry[key] for key in sorted(want)], [want[key] for key in sorted(want)], f"logged values {index}")
+        _assert_trains_as(report, expected, f"rank {rank}")
 
 
 @pytest.mark.slow
