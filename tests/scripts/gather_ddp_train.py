@@ -4,9 +4,9 @@
 rank, the data in its own order. Each rank writes ``pid-rank{N}`` at the start and, at the end, ``rank{N}.json``
 under ``--out``: the loss Lightning received at every step, every value its logger received, the gradients of the
 first step (after DDP's average) and the parameters. ``--break keys`` makes rank 1's training outputs hold a key the
-others lack, ``--break dtype`` rank 1's first tensor float32 where the others' is float64, ``--break object`` every rank's an object that cannot be pickled, ``--break raise`` rank 0's step
-raise; ``--slow-rank`` keeps a rank busy in each
-step, outside any collective.
+others lack, ``--break dtype`` rank 1's first tensor float32 where the others' is float64, ``--break object`` every
+rank's an object that cannot be pickled, ``--break raise`` rank 0's step raise; ``--slow-rank`` keeps a rank busy in
+each step, outside any collective.
 """
 
 from __future__ import annotations
