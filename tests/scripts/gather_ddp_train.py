@@ -27,30 +27,11 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from batch_losses import MODELS, views  # noqa: E402
+from recorder import recorder_class  # noqa: E402
 
 import lightning_mgpu  # noqa: E402
 
-
-class Recorder(L.pytorch.loggers.Logger):
-    """Keeps every value the loop logs, on every rank (Lightning's own loggers write from rank 0 only)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.logged: list[dict[str, float]] = []
-
-    @property
-    def name(self) -> str:
-        return "recorder"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.logged.append({key: float(value) for key, value in metrics.items()})
-
-    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
-        pass
+Recorder = recorder_class(L.pytorch.loggers.Logger)
 
 
 class Report(L.Callback):
