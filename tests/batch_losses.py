@@ -99,7 +99,8 @@ def _off_diagonal_squares(z: torch.Tensor) -> torch.Tensor:
 
 
 class Retrieval(CLIP):
-    """CLIP, validated by the top-1 accuracy of every query against every document of the validation batch."""
+    """CLIP, validated by the top-1 accuracy of every query against every document of the validation batch, and tested
+    by each query's rank among them."""
 
     def validation_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
         a, b = batch
@@ -109,6 +110,15 @@ class Retrieval(CLIP):
         scores = outputs["queries"] @ outputs["documents"].T
         hits = scores.argmax(dim=1) == torch.arange(scores.shape[0], device=scores.device)
         self.log("val_retrieval_acc", hits.double().mean())
+
+    def test_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        return self.validation_step(batch, batch_idx)
+
+    def test_step_end(self, outputs: dict[str, torch.Tensor]) -> None:
+        """The mean rank of each query's own document among every document of the batch (1 is best)."""
+        scores = outputs["queries"] @ outputs["documents"].T
+        own = scores.diagonal().unsqueeze(1)
+        self.log("test_mean_rank", (scores > own).double().sum(dim=1).add(1).mean())
 
 
 MODELS = {"nt_xent": NTXent, "clip": CLIP, "vicreg": VICReg, "retrieval": Retrieval}

@@ -30,7 +30,7 @@ SCRIPT = ROOT / "tests" / "scripts" / "gather_ddp_train.py"
 ROWS, VAL_ROWS, BATCH, EPOCHS = 23, 13, 4, 2
 
 sys.path.insert(0, str(ROOT / "tests" / "scripts"))
-from gather_ddp_train import Recorder, Report  # noqa: E402
+from gather_ddp_train import Recorder, Report, fit_and_test  # noqa: E402
 
 
 def _run(out: Path, model: str, ranks: int, *flags: str) -> subprocess.CompletedProcess[str]:
@@ -66,7 +66,7 @@ def _one_device(model: str, ranks: int, out: Path, **trainer: Any) -> dict[str, 
     )
     train = DataLoader(views(ROWS), batch_size=ranks * BATCH, shuffle=False)
     val = DataLoader(views(VAL_ROWS, seed=1), batch_size=ranks * BATCH)
-    fit.fit(MODELS[model](), train, val)
+    fit_and_test(fit, MODELS[model](), train, val)
     return json.loads((out / "rank0.json").read_text())
 
 
@@ -95,6 +95,10 @@ def _assert_trains_as(report: dict[str, Any], expected: dict[str, Any], who: str
     assert [sorted(entry) for entry in logged] == [sorted(entry) for entry in wanted]
     for index, (entry, want) in enumerate(zip(logged, wanted, strict=True)):
         _close([entry[key] for key in sorted(want)], [want[key] for key in sorted(want)], f"logged values {index}")
+    assert (report["tested"] is None) == (expected["tested"] is None)
+    for tested, want in zip(report["tested"] or [], expected["tested"] or [], strict=True):
+        assert sorted(tested) == sorted(want)
+        _close([tested[key] for key in sorted(want)], [want[key] for key in sorted(want)], f"{who}: tested")
 
 
 @pytest.mark.parametrize("repeat", range(2))  # the replicas are threads: the result must not depend on their timing

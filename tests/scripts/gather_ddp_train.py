@@ -3,7 +3,8 @@
 ``MGPUDDPStrategy(uneven_batches=True, gather_step_end=...)`` on ``--devices`` gloo processes, ``--batch`` rows per
 rank, the data in its own order. Each rank writes ``pid-rank{N}`` at the start and, at the end, ``rank{N}.json``
 under ``--out``: the loss Lightning received at every step, every value its logger received, the gradients of the
-first step (after DDP's average) and the parameters. ``--break keys`` makes rank 1's training outputs hold a key the
+first step (after DDP's average), the parameters, and what ``trainer.test`` on the validation data returned where
+the model has a test step. ``--break keys`` makes rank 1's training outputs hold a key the
 others lack, ``--break dtype`` rank 1's first tensor float32 where the others' is float64, ``--break object`` every
 rank's an object that cannot be pickled, ``--break raise`` rank 0's step raise; ``--slow-rank`` keeps a rank busy in
 each step, outside any collective.
@@ -23,6 +24,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -49,13 +51,29 @@ class Report(L.Callback):
             self.gradients = {name: p.grad.flatten().tolist() for name, p in module.named_parameters()}
 
     def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.write(trainer, module)
+
+    def write(
+        self, trainer: L.Trainer, module: L.LightningModule, tested: list[dict[str, float]] | None = None
+    ) -> None:
+        """The report of the rank, with what ``trainer.test`` returned once it ran."""
         report = {
             "losses": self.losses,
             "logged": self.logger.logged,
             "gradients": self.gradients,
             "parameters": {name: p.detach().flatten().tolist() for name, p in module.named_parameters()},
+            "tested": tested,
         }
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
+
+
+def fit_and_test(trainer: L.Trainer, model: L.LightningModule, train: DataLoader, val: DataLoader) -> None:
+    """Fit, then test on ``val`` where the model has a test step; ``Report`` writes what both gave."""
+    trainer.fit(model, train, val)
+    if is_overridden("test_step", model):
+        tested = [{key: float(value) for key, value in metrics.items()} for metrics in trainer.test(model, val)]
+        report = next(callback for callback in trainer.callbacks if isinstance(callback, Report))
+        report.write(trainer, model, tested)
 
 
 def broken(model: type[L.LightningModule], how: str | None, slow_rank: int | None) -> type[L.LightningModule]:
@@ -119,7 +137,7 @@ def main() -> None:
     )
     train = DataLoader(views(args.rows), batch_size=args.batch, shuffle=False)
     val = DataLoader(views(args.val_rows, seed=1), batch_size=args.batch)
-    trainer.fit(broken(MODELS[args.model], args.broken, args.slow_rank)(), train, val)
+    fit_and_test(trainer, broken(MODELS[args.model], args.broken, args.slow_rank)(), train, val)
 
 
 if __name__ == "__main__":
