@@ -118,33 +118,49 @@ def test_a_whole_batch_loss_under_mgpu_ddp_equals_one_device(model: str, ranks: 
         _assert_trains_as(report, expected, f"rank {rank}")
 
 
-@pytest.mark.slow
-def test_two_nodes_through_torchrun_gather_as_one_device(tmp_path: Path) -> None:
-    """One process on each of two nodes (two torchrun agents on this machine): the retrieval model, trained and
-    validated, against one device."""
-    expected = _one_device("retrieval", 2, tmp_path / "one")
-    out, port = tmp_path / "nodes", str(free_port())
-    processes = []
-    for node in (0, 1):
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-            "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port,
-            str(SCRIPT), "--model", "retrieval", "--out", str(out), "--devices", "1", "--num-nodes", "2",
-            "--rows", str(ROWS), "--val-rows", str(VAL_ROWS), "--batch", str(BATCH), "--epochs", str(EPOCHS),
+def _launches(launcher: str, out: Path) -> list[tuple[list[str], dict[str, str]]]:
+    """The command and environment of each process a launcher starts for the retrieval model on 2 ranks."""
+    port, script = str(free_port()), [str(SCRIPT), "--model", "retrieval", "--out", str(out)]
+    sizes = ["--rows", str(ROWS), "--val-rows", str(VAL_ROWS), "--batch", str(BATCH), "--epochs", str(EPOCHS)]
+    if launcher == "torchrun, two nodes":  # one process on each of two nodes: two torchrun agents on this machine
+        return [
+            (
+                [
+                    sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                    "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port,
+                    *script, "--devices", "1", "--num-nodes", "2", *sizes,
+                ],
+                clean_env(),
+            )
+            for node in (0, 1)
         ]  # fmt: skip
-        processes.append(subprocess.Popen(command, env=clean_env(), stderr=subprocess.PIPE, text=True))
+    return [  # SLURM's srun: both tasks started with the variables it sets, on one node
+        (
+            [sys.executable, *script, "--devices", "2", *sizes],
+            clean_env(
+                SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_NNODES="1", SLURM_NODEID="0",
+                SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_JOB_ID="4242", SLURM_JOB_NAME="train",
+                SLURM_NODELIST="127.0.0.1", MASTER_PORT=port,
+            ),
+        )
+        for rank in (0, 1)
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["torchrun, two nodes", "slurm"])
+def test_other_launchers_gather_as_one_device(launcher: str, tmp_path: Path) -> None:
+    """The retrieval model, trained, validated and tested, against one device."""
+    expected = _one_device("retrieval", 2, tmp_path / "one")
+    out = tmp_path / "ranks"
+    processes = [
+        subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+        for command, env in _launches(launcher, out)
+    ]
     errors = [process.communicate(timeout=180)[1] for process in processes]
     assert [process.returncode for process in processes] == [0, 0], "".join(error[-3000:] for error in errors)
     for rank in (0, 1):
-        report = json.loads((out / f"rank{rank}.json").read_text())
-        _close(report["losses"], expected["losses"], f"rank {rank}: the loss at each step")
-        for name, value in expected["parameters"].items():
-            _close(report["parameters"][name], value, f"rank {rank}: parameter {name}")
-    logged = [entry["val_retrieval_acc"] for entry in _logged(json.loads((out / "rank0.json").read_text())["logged"])
-              if "val_retrieval_acc" in entry]  # fmt: skip
-    wanted = [entry["val_retrieval_acc"] for entry in expected["logged"] if "val_retrieval_acc" in entry]
-    assert len(wanted) == EPOCHS
-    _close(logged, wanted, "the validation accuracy of each epoch")
+        _assert_trains_as(json.loads((out / f"rank{rank}.json").read_text()), expected, f"rank {rank}")
 
 
 @pytest.mark.slow

@@ -112,7 +112,7 @@ def main() -> None:
     parser.add_argument("--slow-rank", type=int)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))
+    rank = next((os.environ[name] for name in ("RANK", "SLURM_PROCID", "LOCAL_RANK") if name in os.environ), "0")
     (args.out / f"pid-rank{rank}").write_text(str(os.getpid()))
     torch.set_num_threads(1)
 
