@@ -181,9 +181,22 @@ def evaluation_shards(dataloader: DataLoader, sampler: DistributedSampler) -> Un
 
 
 def evaluation_shards_of(trainer: Any, step: str, dataloader_index: int) -> UnevenShardSampler:
-    """The ``evaluation_shards`` of the DataLoader whose batch the evaluation ``step`` runs now."""
+    """The ``evaluation_shards`` of the DataLoader whose batch the evaluation ``step`` runs now.
+
+    Raises:
+        ConfigurationError: for a DataLoader whose sampler the strategy could not replace (no distributed sampler:
+            every rank would run every row, and the gathered batch would hold each row once per rank).
+    """
     loaders = trainer.test_dataloaders if step == "test_step" else trainer.val_dataloaders
     loader = loaders[dataloader_index] if isinstance(loaders, (list, tuple)) else loaders
     sampler = getattr(loader, "sampler", None)
-    assert isinstance(sampler, UnevenShardSampler), "process_dataloader gave each gathered evaluation loader shards"
+    if not isinstance(sampler, UnevenShardSampler):
+        raise ConfigurationError(
+            f"MGPUDDPStrategy(gather_step_end=True) gathers every rank's {step} outputs into one device's batches, so"
+            f" it shards the evaluation data itself, but this DataLoader's sampler is {type(sampler).__name__}, not a"
+            " DistributedSampler it can replace (Trainer(use_distributed_sampler=False), or a sampler of its own):"
+            " every rank would run every row. Leave use_distributed_sampler on and the sampler to Lightning, or leave"
+            " gather_step_end off.",
+            setting="DataLoader.sampler",
+        )
     return sampler
