@@ -43,10 +43,11 @@ jsonargparse:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -503,6 +504,24 @@ def set_logged_batch_size(trainer: Any, rows: int) -> None:
     only when that is unset). A rank whose batch is a padding row sets 0, so that row adds nothing to epoch means.
     """
     _training_results(trainer).batch_size = rows
+
+
+@contextlib.contextmanager
+def logged_batch_size(trainer: Any, rows: int) -> Iterator[None]:
+    """Inside, ``self.log`` calls without ``batch_size`` weight their values by ``rows``, in the loop that runs now.
+
+    A ``*_step_end`` hook that gets every rank's outputs logs values of the whole step, which one device weights by
+    the whole step's rows; Lightning's private result collection of the running loop holds the batch size it reads.
+    """
+    results = None if trainer is None else trainer._results
+    if results is None:
+        yield
+        return
+    saved, results.batch_size = results.batch_size, rows
+    try:
+        yield
+    finally:
+        results.batch_size = saved
 
 
 def epoch_aggregates(trainer: Any) -> dict[str, torch.Tensor]:

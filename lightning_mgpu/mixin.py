@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import weakref
 from collections.abc import Callable
@@ -18,7 +19,9 @@ class MGPUMixin:
     """Put first among a LightningModule's bases: ``class Net(MGPUMixin, L.LightningModule)``.
 
     - The ``*_step_end`` hooks run under every strategy: the ``mgpu_*`` strategies call them (after gathering, under
-      ``mgpu_dp``); under Lightning's own strategies the mixin calls them right after each step.
+      ``mgpu_dp``); under Lightning's own strategies the mixin calls them right after each step the loop calls. A
+      step called from another step (``super().training_step(...)``, ``test_step`` returning
+      ``self.validation_step(...)``) returns its own output, as in Lightning 1.x.
     - ``self.replica_index`` and ``self.num_replicas`` read 0 and 1 outside ``mgpu_dp``'s replicas.
     - ``self.to_device_of(obj, related)`` moves data to the device of the tensor or module it goes with.
     - ``mgpu_*`` strategies check the model for multi-GPU traps at the start of ``fit``.
@@ -44,10 +47,17 @@ def _calling_step_end(step: str, method: Callable[..., Any]) -> Callable[..., An
 
     @functools.wraps(method)
     def step_then_step_end(self: Any, *args: Any, **kwargs: Any) -> Any:
-        output = method(self, *args, **kwargs)
-        # Only the outermost override calls the hook (a subclass's step may call super()'s), and only when no
-        # strategy or doctor does it instead.
-        if getattr(type(self), step) is not step_then_step_end or not step_calls_step_end():
+        # A step called from a step (a subclass's calling super()'s, a test_step returning self.validation_step(...))
+        # is a plain call, as in Lightning 1.x; only the step the loop calls runs its hook, and only when no strategy
+        # or doctor does it instead.
+        if _INSIDE_A_STEP.get():
+            return method(self, *args, **kwargs)
+        token = _INSIDE_A_STEP.set(True)
+        try:
+            output = method(self, *args, **kwargs)
+        finally:
+            _INSIDE_A_STEP.reset(token)
+        if not step_calls_step_end():
             return output
         step_end = getattr(self, hook, None)
         return step_end(output) if callable(step_end) else output
@@ -56,5 +66,7 @@ def _calling_step_end(step: str, method: Callable[..., Any]) -> Callable[..., An
     return step_then_step_end
 
 
+_INSIDE_A_STEP: contextvars.ContextVar[bool] = contextvars.ContextVar("lightning_mgpu_inside_a_step", default=False)
+"""Whether a step ``_calling_step_end`` made is running in this thread (each replica's thread has its own)."""
 _STEP_THEN_STEP_END: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
 """The steps ``_calling_step_end`` made, so a subclass does not wrap a step it inherits already wrapped."""

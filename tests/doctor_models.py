@@ -319,3 +319,72 @@ class InBatchNegativesNet(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class ClipNet(L.LightningModule):
+    """Two encoders and CLIP's symmetric contrastive loss in training_step_end: every row's negatives are the others.
+
+    ``validation_step_end`` logs the in-batch retrieval recall, a metric over the batch too.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.image = nn.Linear(4, 3)
+        self.text = nn.Linear(1, 3)
+        self.logit_scale = nn.Parameter(torch.tensor(1.5))
+
+    def training_step(self, batch: Batch, batch_idx: int) -> dict[str, torch.Tensor]:
+        x, y = batch
+        return {"image": F.normalize(self.image(x), dim=1), "text": F.normalize(self.text(y), dim=1)}
+
+    def training_step_end(self, output: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = output["image"] @ output["text"].T * self.logit_scale.exp()
+        labels = torch.arange(len(logits))
+        loss = (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Batch, batch_idx: int) -> dict[str, torch.Tensor]:
+        return self.training_step(batch, batch_idx)
+
+    def validation_step_end(self, output: dict[str, torch.Tensor]) -> None:
+        logits = output["image"] @ output["text"].T
+        recall = (logits.argmax(1) == torch.arange(len(logits))).float().mean()
+        self.log("val_recall", recall)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class MeanErrorsNet(_Net):
+    """Per-sample errors from the step; training_step_end and validation_step_end take and log their mean.
+
+    With ``reduction="sum"`` the training loss is their sum, which under DDP's averaging of gradients shrinks by the
+    number of ranks.
+    """
+
+    def __init__(self, reduction: str = "mean") -> None:
+        super().__init__()
+        self.reduction = reduction
+
+    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return (self.layer(x) - y).pow(2).squeeze(1)
+
+    def training_step_end(self, errors: torch.Tensor) -> torch.Tensor:
+        loss = errors.sum() if self.reduction == "sum" else errors.mean()
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        return self.training_step(batch, batch_idx)
+
+    def validation_step_end(self, errors: torch.Tensor) -> None:
+        self.log("val_loss", errors.mean())
+
+
+class HardestErrorsNet(MeanErrorsNet):
+    """training_step_end averages the 5 largest errors of the batch: more rows than a rank's share of 8 holds."""
+
+    def training_step_end(self, errors: torch.Tensor) -> torch.Tensor:
+        return errors.topk(5).values.mean()

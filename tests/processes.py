@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,29 @@ def stop_session(process: subprocess.Popen[Any]) -> None:
     if process.poll() is None:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
+
+
+def still_running(out: Path, wait: float = 60.0) -> list[int]:
+    """The processes that wrote their pid to ``out/pid-*`` and still run after up to ``wait`` seconds; killed then.
+
+    A test that expects every rank to end checks that this is empty (and that the pid files are all there).
+    """
+    pids = [int(path.read_text()) for path in out.glob("pid-*")]
+    deadline = time.monotonic() + wait
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    survivors = [pid for pid in pids if _alive(pid)]
+    for pid in survivors:
+        os.kill(pid, signal.SIGKILL)
+    return survivors
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def free_port() -> int:

@@ -96,10 +96,11 @@ def _plain_argv(monkeypatch: pytest.MonkeyPatch) -> None:
 LAUNCHES: dict[str, tuple[list[str], str]] = {
     # strategy: mgpu_ddp as a string in YAML
     "ddp_cpu.yaml": (["-m", "lightning_mgpu", "fit", "--config", "configs/ddp_cpu.yaml", *SMALL_DENSITY], "root"),
-    # strategy: {class_path: lightning_mgpu.MGPUDDPStrategy, init_args: {...}} in YAML, the GPU config moved to the CPU
+    # strategy: {class_path: lightning_mgpu.MGPUDDPStrategy, init_args: {...}} in YAML, the GPU config moved to the CPU,
+    # with a keyword of DDP's own, which the parser finds by following the strategy's **kwargs into DDP
     "ddp_gpu.yaml": (
         ["-m", "lightning_mgpu", "fit", "--config", "configs/ddp_gpu.yaml", "--trainer.accelerator", "cpu"]
-        + SMALL_DENSITY,
+        + ["--trainer.strategy.init_args.bucket_cap_mb", "25", *SMALL_DENSITY],
         "root",
     ),
     # the density script with the quickstart (mgpu_dp in YAML) switched to mgpu_ddp by name on the command line
@@ -378,6 +379,10 @@ def test_a_misspelt_class_is_named_in_one_line(capsys: pytest.CaptureFixture[str
 
 
 _MISSPELT_TRAINER_KEY = "'trainer.max_epoch' is not a setting of this command. Did you mean trainer.max_epochs?"
+_MISSPELT_STRATEGY_ARGUMENT = (
+    "strategy: {class_path: lightning_mgpu.MGPUDDPStrategy, init_args: {find_unused_parameter: true}}"
+)
+_ONE_DEVICE_ONE_BATCH = ["--trainer.devices", "1", "--trainer.fast_dev_run", "1"]  # in this process, should it run
 
 
 @pytest.mark.parametrize(
@@ -403,6 +408,23 @@ _MISSPELT_TRAINER_KEY = "'trainer.max_epoch' is not a setting of this command. D
             "model: examples.density.DensityModel takes no argument 'bach_size'. Check the name; it takes channels,"
             " hidden_filters, init_scale, lr.",
             id="init argument the class does not take",
+        ),
+        pytest.param(
+            ("strategy: mgpu_dp", _MISSPELT_STRATEGY_ARGUMENT),
+            _ONE_DEVICE_ONE_BATCH,
+            "trainer.strategy: lightning_mgpu.MGPUDDPStrategy takes no argument 'find_unused_parameter'. Did you mean"
+            " trainer.strategy.init_args.find_unused_parameters?",
+            id="strategy init argument misspelt in the config",
+        ),
+        pytest.param(
+            None,
+            ["--trainer.strategy.class_path", "lightning_mgpu.MGPUDDPStrategy"]
+            + ["--trainer.strategy.init_args.uneven_batches", "true"]
+            + ["--trainer.strategy.init_args.model_averaging_period", "2", *_ONE_DEVICE_ONE_BATCH],
+            "trainer.strategy: MGPUDDPStrategy(uneven_batches=True) cannot be combined with model_averaging_period:"
+            " post-local SGD steps each rank on its own gradients, so the unequal last batches could not add up to one"
+            " device's step. Remove model_averaging_period, or leave uneven_batches off.",
+            id="strategy init arguments the strategy refuses together",
         ),
         pytest.param(
             None,

@@ -6,7 +6,6 @@ import inspect
 import json
 import os
 import pickle
-import signal
 import subprocess
 import sys
 import time
@@ -27,12 +26,15 @@ from processes import (
     run,
     run_ddp_script,
     single_device_parameters,
+    still_running,
 )
 from torch.nn.parallel import DistributedDataParallel
 
 import lightning_mgpu
 from lightning_mgpu import MGPUDDPStrategy
+from lightning_mgpu.errors import ConfigurationError
 from lightning_mgpu.strategies import ddp as ddp_strategy
+from lightning_mgpu.strategies import pytorch_lightning as bound_to_pytorch_lightning
 from lightning_mgpu.strategies.ddp import buffer_sync_keyword
 
 LAUNCH_TIMEOUT = 180
@@ -134,32 +136,14 @@ def test_training_shuffles_differently_every_epoch(tmp_path: Path) -> None:
     assert reports[0]["rows"]["0"] != reports[0]["rows"]["1"]
 
 
-def _pids(out: Path) -> list[int]:
-    return [int(path.read_text()) for path in out.glob("pid-*")]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def _assert_every_process_ends(tmp_path: Path, scenario: str, fail_rank: int) -> subprocess.CompletedProcess:
     started = time.monotonic()
     result = run_ddp_script(
         tmp_path, "--scenario", scenario, "--fail-rank", str(fail_rank), "--timeout", "20", "--epochs", "5", timeout=120
     )
     assert result.returncode != 0
-    deadline = time.monotonic() + 60
-    while any(_alive(pid) for pid in _pids(tmp_path)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    survivors = [pid for pid in _pids(tmp_path) if _alive(pid)]
-    for pid in survivors:
-        os.kill(pid, signal.SIGKILL)
-    assert len(_pids(tmp_path)) == 2
-    assert not survivors, "a rank kept running after another one failed"
+    assert len(list(tmp_path.glob("pid-*"))) == 2
+    assert not still_running(tmp_path), "a rank kept running after another one failed"
     assert time.monotonic() - started < 90
     return result
 
@@ -285,6 +269,84 @@ def test_buffer_broadcasting_can_be_switched_on_and_other_keywords_pass_through(
     }
     assert MGPUDDPStrategy(forward_sync_buffers=True).broadcast_buffers is True
     assert MGPUDDPStrategy(broadcast_buffers=True, forward_sync_buffers=None).broadcast_buffers is True
+
+
+BOTH_NAMESPACES = pytest.mark.parametrize(
+    "strategy_class",
+    [MGPUDDPStrategy, bound_to_pytorch_lightning.MGPUDDPStrategy],
+    ids=["lightning.pytorch", "pytorch_lightning"],
+)
+
+
+@BOTH_NAMESPACES
+@pytest.mark.parametrize(
+    ("misspelt", "meant", "value"),
+    [
+        ("find_unused_parameter", "find_unused_parameters", True),  # the strategy's own
+        ("broadcast_buffer", "broadcast_buffers", False),
+        ("static_graphs", "static_graph", True),
+        ("gather_step_ends", "gather_step_end", True),
+        ("forward_sync_buffer", "forward_sync_buffers", True),  # torch 2.13's name, taken on any torch
+        ("ddp_comm_hooks", "ddp_comm_hook", None),  # Lightning's DDPStrategy's
+        ("bucket_cap_m", "bucket_cap_mb", 10),  # DistributedDataParallel's
+    ],
+)
+def test_a_misspelt_keyword_stops_the_build_naming_the_keyword_meant(
+    strategy_class: type[MGPUDDPStrategy], misspelt: str, meant: str, value: Any
+) -> None:
+    with pytest.raises(ConfigurationError, match=f"Did you mean {meant}\\?") as refused:
+        strategy_class(**{misspelt: value})
+    assert refused.value.setting == f"MGPUDDPStrategy.{misspelt}"
+    strategy_class(**{meant: value})
+
+
+def test_a_misspelt_keyword_is_named_with_where_keywords_come_from() -> None:
+    with pytest.raises(ConfigurationError) as refused:
+        MGPUDDPStrategy(find_unused_parameter=True)
+    assert str(refused.value) == (
+        "MGPUDDPStrategy takes no keyword 'find_unused_parameter': neither it, Lightning's DDPStrategy nor torch's"
+        f" DistributedDataParallel (torch {torch.__version__}) has one of that name. Did you mean"
+        " find_unused_parameters?"
+    )
+
+
+def test_a_keyword_close_to_none_is_refused_with_every_keyword_taken() -> None:
+    with pytest.raises(ConfigurationError, match="The keywords it takes: ") as refused:
+        MGPUDDPStrategy(colour="red")
+    assert refused.value.setting == "MGPUDDPStrategy.colour"
+    taken = str(refused.value).rpartition("The keywords it takes: ")[2].rstrip(".").split(", ")
+    assert {"uneven_batches", "model_averaging_period", "bucket_cap_mb", "gradient_as_bucket_view"} <= set(taken)
+    assert not {"module", "device_ids", "output_device", "self", "kwargs"} & set(taken)
+
+
+@BOTH_NAMESPACES
+@pytest.mark.parametrize(("keyword", "value"), [("device_ids", [0]), ("output_device", 0), ("module", object())])
+def test_what_the_strategy_gives_ddp_itself_is_refused_with_why(
+    strategy_class: type[MGPUDDPStrategy], keyword: str, value: Any
+) -> None:
+    with pytest.raises(ConfigurationError, match=r"the strategy gives DistributedDataParallel its module") as refused:
+        strategy_class(**{keyword: value})
+    assert refused.value.setting == f"MGPUDDPStrategy.{keyword}"
+    assert "Choose the devices with Trainer(devices=...)" in str(refused.value)
+
+
+def test_none_for_what_the_strategy_gives_ddp_is_left_to_the_strategy() -> None:
+    # LightningCLI spells out output_device: null in a class_path config's init_args
+    strategy = MGPUDDPStrategy(output_device=None, device_ids=None, module=None, bucket_cap_mb=10)
+    assert strategy._ddp_kwargs["bucket_cap_mb"] == 10
+    assert not {"output_device", "device_ids", "module"} & set(strategy._ddp_kwargs)
+
+
+class _WithAKeywordOfItsOwn(MGPUDDPStrategy):
+    def __init__(self, gather_step_end: bool = False, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.gather_step_end = gather_step_end
+
+
+def test_a_keyword_the_strategy_class_adds_is_suggested_without_a_list_to_update() -> None:
+    with pytest.raises(ConfigurationError, match=r"Did you mean gather_step_end\?"):
+        _WithAKeywordOfItsOwn(gather_step_ends=True)
+    assert _WithAKeywordOfItsOwn(gather_step_end=True).gather_step_end
 
 
 def test_registration_leaves_lightnings_own_ddp_names_alone() -> None:

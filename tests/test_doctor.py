@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 import torch
-from doctor_models import BatchNormNet, CenteredNet, ProbeData
+import torch.nn.functional as F
+from doctor_models import BatchNormNet, CenteredNet, ClipNet, MeanErrorsNet, ProbeData
 
 from lightning_mgpu.cli import main
 from lightning_mgpu.doctor import Comparison, DoctorReport, diagnose, format_report, probe_batch, run_doctor
@@ -526,3 +527,132 @@ def test_in_batch_negatives_point_to_training_step_end_not_to_loss_weight() -> N
     assert "No weighting of the chunks' own losses gives the whole batch's loss and gradients" in message
     assert "{'loss': loss, 'loss_weight': count}" not in message
     assert message.index("loss_weight cannot fix it") < message.index("Move the batch-wise computation")
+
+
+GATHER_STEP_END = "MGPUDDPStrategy(gather_step_end=True)"
+GATHER_STEP_END_YAML = (
+    "trainer.strategy: {class_path: lightning_mgpu.MGPUDDPStrategy, init_args: {gather_step_end: true}}"
+)
+
+
+def per_rank(report: DoctorReport) -> dict[str, str]:
+    return {c.what: c.verdict for c in report.comparisons if c.kind == "per-rank"}
+
+
+def test_a_contrastive_loss_in_training_step_end_needs_every_rank_under_ddp_only() -> None:
+    dp = doctor("ClipNet")
+    assert dp.findings == []
+    assert per_rank(dp) == {}
+
+    torch.manual_seed(0)
+    model = ClipNet()
+    batch = probe_batch(ProbeData(), model)
+    ddp = diagnose(model, batch, target="mgpu_ddp")
+    assert found(ddp) == {
+        ("error", "step-end-needs-every-rank", "training_step_end: output"),
+        ("warning", "step-end-needs-every-rank", "validation_step_end: self.log('val_recall')"),
+    }
+    assert per_rank(ddp) == {
+        "training_step_end: output": "differs",
+        "training_step_end: step output['image'].grad": "differs",
+        "training_step_end: step output['text'].grad": "differs",
+        "training_step_end: logit_scale.grad": "differs",
+        "training_step_end: self.log('train_loss')": "differs",
+        "validation_step_end: self.log('val_recall')": "differs",
+    }
+    # Each rank's loss over its 4 rows, averaged as DDP averages the gradients, against the loss over all 8.
+    with torch.no_grad():
+        output = model.training_step(batch, 0)
+
+        def clip(rows: slice) -> torch.Tensor:
+            logits = output["image"][rows] @ output["text"][rows].T * model.logit_scale.exp()
+            labels = torch.arange(len(logits))
+            return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+
+        expected = float((clip(slice(0, 8)) - (clip(slice(0, 4)) + clip(slice(4, 8))) / 2).abs())
+    loss = next(c for c in ddp.comparisons if c.what == "training_step_end: output")
+    assert loss.max_abs_diff == pytest.approx(expected, rel=1e-5)
+
+    message = message_of(ddp, "step-end-needs-every-rank", "training_step_end: output")
+    assert message.startswith("training_step_end's loss `output` depends on rows of more than one rank: on each")
+    assert "gradients it passes back to `step output['image']`, `step output['text']`, `logit_scale`" in message
+    assert "It also logs `train_loss`, which differs the same way." in message
+    assert GATHER_STEP_END in message
+    assert GATHER_STEP_END_YAML in message
+    validation = message_of(ddp, "step-end-needs-every-rank", "validation_step_end: self.log('val_recall')")
+    assert validation.startswith("validation_step_end logs `val_recall` with values that depend on rows of more")
+    assert "as self.log(..., sync_dist=True) combines them" in validation
+    assert GATHER_STEP_END in validation
+
+
+@pytest.mark.parametrize("rows", [8, 7])
+def test_a_mean_of_per_sample_errors_in_step_end_needs_no_rank_but_its_own(rows: int) -> None:
+    data = {"rows": rows, "batch_size": rows}
+    assert doctor("MeanErrorsNet", data_init_args=data).findings == []
+    ddp = doctor("MeanErrorsNet", data_init_args=data, target="mgpu_ddp")
+    assert ddp.findings == []
+    assert per_rank(ddp) == {
+        "training_step_end: output": "same",
+        "training_step_end: step output.grad": "same",
+        "training_step_end: self.log('train_loss')": "same",
+        "validation_step_end: self.log('val_loss')": "same",
+    }
+    cut = "The *_step_end hooks ran on each rank's rows with the first 6 of the 7 rows, 3 per rank"
+    assert any(note.startswith(cut) for note in ddp.notes) == (rows == 7)
+
+
+def test_a_mean_of_the_ranks_own_means_in_step_end_needs_no_rank_but_its_own() -> None:
+    # Each rank returns its chunk's 0-dim mean; the hook averages what it receives, which a rank's hook is given alone.
+    ddp = doctor("ChunkMeanLossNet", target="mgpu_ddp")
+    assert found(ddp) == {("warning", "batch-dependent", "step output['loss']")}
+    assert set(per_rank(ddp).values()) == {"same"}
+
+
+def test_a_summed_loss_in_step_end_is_off_by_the_ranks_under_ddp() -> None:
+    torch.manual_seed(0)
+    model = MeanErrorsNet(reduction="sum")
+    batch = probe_batch(ProbeData(), model)
+    assert diagnose(model, batch).findings == []
+    ddp = diagnose(model, batch, target="mgpu_ddp")
+    assert found(ddp) == {("error", "step-end-needs-every-rank", "training_step_end: output")}
+    with torch.no_grad():
+        total = float(model.training_step(batch, 0).sum())
+    loss = next(c for c in ddp.comparisons if c.what == "training_step_end: output")
+    assert loss.max_abs_diff == pytest.approx(total / 2, rel=1e-5)  # DDP averages 2 ranks' sums of half the rows
+    assert "a sum where a mean over the rows is meant" in ddp.findings[0].message
+
+
+def test_a_hook_that_raises_on_a_rank_share_of_the_rows_needs_every_rank() -> None:
+    assert doctor("HardestErrorsNet").errors == []
+    ddp = doctor("HardestErrorsNet", target="mgpu_ddp")
+    assert ("error", "step-end-needs-every-rank", "training_step_end") in found(ddp)
+    message = message_of(ddp, "step-end-needs-every-rank", "training_step_end")
+    assert message.startswith("training_step_end raises on rank 0's 4 rows (RuntimeError: ")
+    assert "but not on all 8 rows of the 2 ranks" in message
+    assert GATHER_STEP_END in message
+
+
+def test_ddp_step_end_finding_on_the_command_line_and_in_json(capsys: pytest.CaptureFixture[str]) -> None:
+    clip = ["doctor", "--model", f"{MODELS}:ClipNet", *DATA]
+    assert main(clip) == 0
+    assert "step-end-needs-every-rank" not in capsys.readouterr().out
+    assert main([*clip, "--target", "mgpu_ddp"]) == 1
+    out = capsys.readouterr().out
+    assert "step-end-needs-every-rank" in out
+    assert "mgpu_ddp: each *_step_end hook on every rank's rows (gather_step_end=True) vs on each rank's own" in out
+    assert main([*clip, "--target", "mgpu_ddp", "--json"]) == 1
+    printed = json.loads(capsys.readouterr().out)
+    assert [(f["level"], f["check"], f["where"]) for f in printed["findings"]] == [
+        ("error", "step-end-needs-every-rank", "training_step_end: output"),
+        ("warning", "step-end-needs-every-rank", "validation_step_end: self.log('val_recall')"),
+    ]
+    assert printed["summary"] == {"errors": 1, "warnings": 1, "compared": 14, "differ": 6, "ok": False}
+    assert [c["what"] for c in printed["comparisons"] if c["kind"] == "per-rank"][0] == "training_step_end: output"
+    assert main(["doctor", "--model", f"{MODELS}:MeanErrorsNet", *DATA, "--target", "mgpu_ddp", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["findings"] == []
+
+
+def test_batch_wise_work_in_the_step_under_ddp_points_to_gather_step_end() -> None:
+    message = message_of(doctor("InBatchNegativesNet", target="mgpu_ddp"), "batch-dependent", "output")
+    assert "into training_step_end and construct MGPUDDPStrategy(gather_step_end=True)" in message
+    assert "self.all_gather" not in message

@@ -56,6 +56,39 @@ def test_step_end_runs_once_when_a_subclass_calls_super() -> None:
         assert model.step_end_calls == 3
 
 
+def test_a_step_that_returns_another_step_gets_its_raw_output() -> None:
+    """``test_step`` returning ``self.validation_step(...)``, as 1.x projects write it: the test hook gets the raw
+    output, and the validation hook does not run inside the test."""
+    seen: list[tuple[str, Any]] = []
+
+    class Tested(Portable):
+        def validation_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+            x, y = batch
+            return {"errors": self(x) - y}
+
+        def validation_step_end(self, outputs: dict[str, torch.Tensor]) -> None:
+            seen.append(("validation_step_end", outputs))
+
+        def test_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+            return self.validation_step(batch, batch_idx)
+
+        def test_step_end(self, outputs: dict[str, torch.Tensor]) -> None:
+            seen.append(("test_step_end", outputs))
+            self.log("test_mse", outputs["errors"].pow(2).mean())
+
+    data = regression_data(rows=6, seed=3)
+    for overrides in ({}, {"devices": 2, "strategy": "mgpu_dp"}):
+        seen.clear()
+        model = Tested()
+        result = trainer(**overrides).test(model, loader(data, 6), verbose=False)
+        assert [hook for hook, _ in seen] == ["test_step_end"], overrides
+        assert seen[0][1]["errors"].shape == (6, 1)
+        x, y = data.tensors
+        with torch.no_grad():
+            expected = (model(x) - y).pow(2).mean().item()
+        assert result[0]["test_mse"] == pytest.approx(expected, abs=1e-6)
+
+
 def test_lone_step_end_hook_runs_under_the_default_strategy() -> None:
     class Predicts(Portable):
         def predict_step_end(self, predictions: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 On top of LightningCLI: the ``mgpu_*`` names are registered before any Trainer exists; a configuration that cannot
 start (a strategy name that nothing is registered under, GPUs this machine does not have, a class path that does not
-import) ends the command with one line naming the cause and the fix, where LightningCLI prints its usage or a
+import, a strategy class that refuses its init arguments) ends the command with one line naming the cause and the
+fix, where LightningCLI prints its usage or a
 traceback; a strategy given on the command line as a class path (``--trainer.strategy lightning_mgpu.MGPUDDPStrategy``)
 is instantiated, where plain LightningCLI passes the string on and the Trainer rejects it (Lightning issue #19682);
 each run writes CSV logs (and TensorBoard logs when tensorboard is installed), checkpoints and its config under one
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 import lightning.pytorch as pl
 import yaml
 from jsonargparse import ArgumentParser
+from jsonargparse import Namespace as JsonNamespace
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.strategies import Strategy
@@ -181,6 +183,42 @@ class MGPULightningCLILogic(_CLI):
             parser.command_parsers = self._parsers
         self._parsers.append(parser)
         return parser
+
+    def instantiate_classes(self) -> None:
+        """Build the classes as LightningCLI does; a strategy class that refuses its init arguments ends in one line.
+
+        The Trainer's ``strategy`` is a name or a ``Strategy``, so jsonargparse reports a ``ConfigurationError`` of
+        the strategy's ``__init__`` (``MGPUDDPStrategy(output_device=0)``) as a value that fits neither, over many
+        lines; the strategy is built once more from its parsed arguments to learn the error.
+
+        Raises:
+            CommandError: the class of ``trainer.strategy`` raised ``ConfigurationError`` for its init arguments.
+        """
+        try:
+            super().instantiate_classes()
+        except ValueError:
+            refusal = self._strategy_refusal()
+            if refusal is None:
+                raise
+            raise CommandError(f"trainer.strategy: {refusal}", setting=refusal.setting) from None
+
+    def _strategy_refusal(self) -> ConfigurationError | None:
+        """The ``ConfigurationError`` the class of ``trainer.strategy`` raises for its parsed init arguments, if any.
+
+        Classes nested in those arguments stay configs: only the strategy's own checks of its arguments are wanted.
+        """
+        config = self.config.get(str(self.subcommand), self.config)
+        strategy = config.get("trainer.strategy")
+        if not (isinstance(strategy, JsonNamespace) and isinstance(strategy.get("class_path"), str)):
+            return None
+        init_args = strategy.get("init_args") or JsonNamespace()
+        try:
+            _imported(strategy.class_path)(**vars(init_args), **(strategy.get("dict_kwargs") or {}))
+        except ConfigurationError as error:
+            return error
+        except Exception:  # anything else: jsonargparse's own message stands
+            return None
+        return None
 
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
         """Build the Trainer, with class-path strategies instantiated and the run folder's loggers as default.

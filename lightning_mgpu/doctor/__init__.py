@@ -6,12 +6,14 @@ output, gathered from the replicas when split), the hook's result, every gradien
 The first stage that differs names the likely cause: batch-wise work in the step, state the replicas did not hand
 back to the hook, a backward that depends on the chunk, buffers updated per replica. When something differs, one
 more run with another seed shows randomness, and one replica running the whole batch shows what batch-wise work
-cannot explain. The structural model checks of ``lightning_mgpu.checks`` and findings about unused parameters and
-BatchNorm complete the report. ``format`` turns the report into tables and ``cli/doctor.py`` prints them; nothing
-here prints.
+cannot explain. For ``mgpu_ddp``, ``ranks`` runs each ``*_step_end`` hook on each rank's rows and on every rank's, as
+``MGPUDDPStrategy(gather_step_end=True)`` gives them. The structural model checks of ``lightning_mgpu.checks`` and
+findings about unused parameters and BatchNorm complete the report. ``format`` turns the report into tables and
+``cli/doctor.py`` prints them; nothing here prints.
 
-Data flows one way: ``inputs`` → ``runs`` → ``compare`` → ``findings`` → ``report`` → ``format``; ``checkup`` calls
-the steps in that order. No module imports a later one, except the data classes of ``report`` that the steps fill.
+Data flows one way: ``inputs`` → ``runs`` → ``ranks`` → ``compare`` → ``findings`` → ``report`` → ``format``;
+``checkup`` calls the steps in that order. No module imports a later one, except the data classes of ``report`` that
+the steps fill.
 """
 
 from lightning_mgpu.doctor.checkup import diagnose, run_doctor

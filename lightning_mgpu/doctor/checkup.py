@@ -1,8 +1,8 @@
 """The doctor's two entry points: ``run_doctor`` from class names and a config, ``diagnose`` from a model and a batch.
 
-``diagnose`` runs the step on one device and split (``runs``), compares the runs stage by stage (``compare``) and
-gathers the findings (``findings``) with the structural model checks of ``lightning_mgpu.checks`` into a
-``DoctorReport``.
+``diagnose`` runs the step on one device and split (``runs``), for ``mgpu_ddp`` each ``*_step_end`` hook on each
+rank's rows too (``ranks``), compares the runs stage by stage (``compare``) and gathers the findings (``findings``)
+with the structural model checks of ``lightning_mgpu.checks`` into a ``DoctorReport``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_mgpu.checks import Finding, check_model
-from lightning_mgpu.doctor.compare import compare_runs, differing
+from lightning_mgpu.doctor.compare import compare_ranks, compare_runs, differing
 from lightning_mgpu.doctor.findings import (
     Differences,
     batchnorm_findings,
@@ -23,11 +23,13 @@ from lightning_mgpu.doctor.findings import (
     difference_findings,
     loss_findings,
     random_finding,
+    rank_findings,
     split_failed,
     step_failed,
     unused_parameter_findings,
 )
 from lightning_mgpu.doctor.inputs import DoctorError, instantiate, probe_batch, read_config, resolve
+from lightning_mgpu.doctor.ranks import run_ranks
 from lightning_mgpu.doctor.report import TARGETS, DoctorReport, Target
 from lightning_mgpu.doctor.runs import (
     DROPOUT,
@@ -40,7 +42,8 @@ from lightning_mgpu.doctor.runs import (
 )
 from lightning_mgpu.engine.scatter import scatter
 from lightning_mgpu.errors import BatchSplitError
-from lightning_mgpu.namespaces import mixed
+from lightning_mgpu.namespaces import LIGHTNING, mixed, namespace_of
+from lightning_mgpu.step.hooks import has_step_end
 
 
 def run_doctor(
@@ -129,7 +132,8 @@ def diagnose(
     device with another seed shows randomness in the step, and one replica running the whole batch shows what
     batch-wise work cannot explain (a replica doing something differently from the module itself).
     ``sync_batchnorm`` splits as ``MGPUDPStrategy(sync_batchnorm=...)`` does; for ``mgpu_ddp`` each chunk
-    stands for a rank, whose BatchNorm layers see only its own rows.
+    stands for a rank, whose BatchNorm layers see only its own rows and whose ``*_step_end`` hooks are also run on
+    its rows alone.
     """
     _check_options(replicas, target, atol, rtol)
     report = DoctorReport(type(model).__name__, target, replicas, seed, atol, rtol)
@@ -197,7 +201,40 @@ def diagnose(
             chunk_weights=_chunk_weights(model, batch, seed, replicas, reference, atol, rtol),
         )
         report.findings.extend(difference_findings(differences, report))
+    if target == "mgpu_ddp":
+        _step_end_on_ranks(model, batch, seed, replicas, report)
     return _sorted(report)
+
+
+_RANK_STEPS = ("training_step", "validation_step", "test_step")
+"""The steps whose ``*_step_end`` hook is run on each rank's rows; predictions are per row."""
+
+
+def _step_end_on_ranks(model: pl.LightningModule, batch: Any, seed: int, ranks: int, report: DoctorReport) -> None:
+    """For mgpu_ddp: each ``*_step_end`` hook on every rank's rows against each rank's own (``ranks``).
+
+    Evaluation steps run on the probe batch too, in eval mode without gradients; a step the model does not define,
+    or one that cannot take the training batch, is left out with a note.
+    """
+    base = (namespace_of(type(model)) or LIGHTNING).LightningModule
+    cut = ""
+    for step in _RANK_STEPS:
+        if not has_step_end(model, step) or getattr(type(model), step) is getattr(base, step, None):
+            continue
+        runs = run_ranks(model, batch, step, seed, ranks)
+        if isinstance(runs, str):
+            report.notes.append(runs)
+            continue
+        if sum(runs.rows) != report.batch_rows:
+            cut = (
+                f"The *_step_end hooks ran on each rank's rows with the first {sum(runs.rows)} of the"
+                f" {report.batch_rows} rows, {runs.rows[0]} per rank, as DDP's sampler gives every rank as many."
+            )
+        comparisons = compare_ranks(runs, report.atol, report.rtol)
+        report.comparisons.extend(comparisons)
+        report.findings.extend(rank_findings(runs, comparisons))
+    if cut:
+        report.notes.append(cut)
 
 
 def _chunk_weights(

@@ -2,7 +2,8 @@
 
 The stages, in the order the step runs them: what ``training_step_end`` received (only for modules that define it),
 what Lightning receives (the hook's result, or the step's output without one), every parameter's gradient, every
-buffer after the step.
+buffer after the step. For ``mgpu_ddp``, a last stage compares each ``*_step_end`` hook on every rank's rows with
+the same hook on each rank's own (``ranks``).
 """
 
 from __future__ import annotations
@@ -14,11 +15,9 @@ from typing import Any
 
 import torch
 
+from lightning_mgpu.doctor.ranks import RankRuns
 from lightning_mgpu.doctor.report import Comparison, Kind
-from lightning_mgpu.doctor.runs import Run
-
-STEP_OUTPUT = "step output"
-"""The root of the key paths of what ``training_step_end`` received: ``step output['pred']``."""
+from lightning_mgpu.doctor.runs import STEP_OUTPUT, Run
 
 
 def compare_runs(reference: Run, split: Run, atol: float, rtol: float) -> list[Comparison]:
@@ -53,6 +52,27 @@ def compare_runs(reference: Run, split: Run, atol: float, rtol: float) -> list[C
                 _compare_values(name, "buffer", reference.buffers[name], split.buffers[name], atol, rtol)
             )
     return comparisons
+
+
+def compare_ranks(runs: RankRuns, atol: float, rtol: float) -> list[Comparison]:
+    """The hook on every rank's rows against each rank's own, combined: the loss, its gradients, what it logged.
+
+    Each ``what`` starts with the hook's name: ``training_step_end: output['loss']``,
+    ``training_step_end: step output['image'].grad``, ``validation_step_end: self.log('val_recall')``.
+    """
+    gathered, ranks = runs.gathered, runs.ranks
+    pairs: list[tuple[str, Any, Any]] = []
+    if runs.loss_path is not None and gathered.loss is not None and ranks.loss is not None:
+        pairs.append((runs.loss_path, gathered.loss, ranks.loss))
+    pairs.extend((f"{name}.grad", grad, ranks.grads[name]) for name, grad in gathered.grads.items())
+    pairs.extend(
+        (f"self.log({name!r})", value, ranks.logged[name])
+        for name, value in gathered.logged.items()
+        if name in ranks.logged
+    )
+    return [
+        _compare_values(f"{runs.hook}: {what}", "per-rank", ours, theirs, atol, rtol) for what, ours, theirs in pairs
+    ]
 
 
 def _compare_leaves(ours: Any, theirs: Any, root: str, kind: Kind, atol: float, rtol: float) -> list[Comparison]:

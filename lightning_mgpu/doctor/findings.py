@@ -10,6 +10,7 @@ from torch import nn
 
 from lightning_mgpu._compat import BatchNorm
 from lightning_mgpu.checks import Finding
+from lightning_mgpu.doctor.ranks import RankRuns
 from lightning_mgpu.doctor.report import Comparison, DoctorReport, Kind, Target
 from lightning_mgpu.doctor.runs import Run
 from lightning_mgpu.errors import BatchSplitError, GatherError
@@ -448,9 +449,10 @@ def _per_replica_batchnorm(layer: str, statistics: list[Comparison], text: _Word
 def _batch_dependent_fix(target: Target, batchnorm: bool, statistics_exchanged: bool) -> str:
     if target == "mgpu_ddp":
         return (
-            "Under mgpu_ddp training_step_end receives only the rank's own output: gather what must span the global"
-            " batch there with self.all_gather(..., sync_grads=True)"
-            + ("; for BatchNorm, pass Trainer(sync_batchnorm=True)." if batchnorm else ".")
+            "Move the batch-wise computation (means over the batch, in-batch negatives, top-k across the batch) into"
+            " training_step_end and construct MGPUDDPStrategy(gather_step_end=True), under which the hook receives"
+            " every rank's outputs gathered in global batch order, differentiably (by default it receives only the"
+            " rank's own)" + ("; for BatchNorm, pass Trainer(sync_batchnorm=True)." if batchnorm else ".")
         )
     if not batchnorm:
         batchnorm_fix = "."
@@ -504,6 +506,89 @@ def _gradients(names: list[str]) -> str:
 
 def _buffers(names: list[str]) -> str:
     return f"The buffer{'' if len(names) == 1 else 's'} {_quoted(names)}"
+
+
+def _gather_step_end(hook: str, what: str, training: bool = False) -> str:
+    """The fix for a ``*_step_end`` hook that needs every rank's rows under mgpu_ddp: ``gather_step_end=True``."""
+    how = ", differentiably," if training else ""
+    scaling = ", with no world-size scaling to write" if training else ""
+    return (
+        f"Construct MGPUDDPStrategy(gather_step_end=True): every rank's {hook} then receives the outputs of every"
+        f" rank gathered in global batch order{how} and computes {what} over the global batch as one device does"
+        f"{scaling} (in a config: trainer.strategy: {{class_path: lightning_mgpu.MGPUDDPStrategy, init_args:"
+        " {gather_step_end: true}}). Under mgpu_dp the hook already receives every row."
+    )
+
+
+def rank_findings(runs: RankRuns, comparisons: list[Comparison]) -> list[Finding]:
+    """The finding for a ``*_step_end`` hook whose result under mgpu_ddp depends on rows of more than one rank.
+
+    An error when the training loss or its gradients differ, or when the hook raises on a rank's rows only; a
+    warning when only logged values differ (a metric reported over a rank's rows instead of the global batch).
+    """
+    hook, share, rows, ranks = runs.hook, runs.rows[0], sum(runs.rows), len(runs.rows)
+    alone = f"Under mgpu_ddp, by default, each rank's {hook} receives only that rank's output."
+    if runs.failed:
+        rank, error = runs.failed[0]
+        return [
+            Finding(
+                "error",
+                "step-end-needs-every-rank",
+                hook,
+                f"{hook} raises on rank {rank}'s {share} rows ({_describe_error(error)}) but not on all {rows} rows"
+                f" of the {ranks} ranks: it needs rows of more than one rank (a top-k over more rows than a rank"
+                f" holds, say). {alone} {_gather_step_end(hook, 'its result')}",
+            )
+        ]
+    differing = [comparison for comparison in comparisons if not comparison.same]
+    by_name = {f"{hook}: self.log({name!r})": name for name in runs.gathered.logged}
+    logged = [comparison for comparison in differing if comparison.what in by_name]
+    training = [comparison for comparison in differing if comparison not in logged]
+    names = [by_name[comparison.what] for comparison in logged]
+    on_ranks = f"on each rank's {share} rows, combined over the {ranks} ranks as"
+    if training and runs.loss_path is not None:
+        loss = [comparison for comparison in training if comparison.what == f"{hook}: {runs.loss_path}"]
+        gradients = [comparison for comparison in training if comparison not in loss]
+        passed_back = _quoted(
+            [comparison.what.removeprefix(f"{hook}: ").removesuffix(".grad") for comparison in gradients], 8
+        )
+        if loss:
+            differs = f"it differs from the loss on all {rows} rows ({_size(loss)})"
+            differs += f", and so do the gradients it passes back to {passed_back}" if gradients else ""
+        else:
+            differs = (
+                f"its value equals the loss on all {rows} rows, but the gradients it passes back to {passed_back}"
+                f" differ ({_size(gradients)})"
+            )
+        also = (
+            f" It also logs {_quoted(names)}, which {_verb(names, 'differs', 'differ')} the same way." if names else ""
+        )
+        return [
+            Finding(
+                "error",
+                "step-end-needs-every-rank",
+                f"{hook}: {runs.loss_path}",
+                f"{hook}'s loss `{runs.loss_path}` depends on rows of more than one rank: {on_ranks} DDP averages"
+                f" their gradients (what mgpu_ddp trains on), {differs}. {alone} A loss over the batch (in-batch"
+                " negatives, as in CLIP or SimCLR; a softmax or a statistic over the batch; a sum where a mean over"
+                f" the rows is meant) then covers the rank's rows only.{also}"
+                f" {_gather_step_end(hook, 'the loss', training=True)}",
+            )
+        ]
+    if not logged:
+        return []
+    return [
+        Finding(
+            "warning",
+            "step-end-needs-every-rank",
+            f"{hook}: {_short_list([f'self.log({name!r})' for name in names])}",
+            f"{hook} logs {_quoted(names)} with values that depend on rows of more than one rank: {on_ranks}"
+            f" self.log(..., sync_dist=True) combines them, they differ from the values on all {rows} rows"
+            f" ({_size(logged)}). {alone} A metric over the batch (a retrieval recall, a ranking, a statistic over"
+            f" the batch) is then computed over the rank's rows and reported so."
+            f" {_gather_step_end(hook, 'them')}",
+        )
+    ]
 
 
 def random_finding(where: str) -> Finding:

@@ -60,6 +60,10 @@ def _comparison_table(report: DoctorReport, width: int) -> list[str]:
         ),
         "gradient": "gradients",
         "buffer": "buffers after the step",
+        "per-rank": (
+            "mgpu_ddp: each *_step_end hook on every rank's rows (gather_step_end=True) vs on each rank's own,"
+            " combined over the ranks (the default)"
+        ),
     }
     shown: list[Comparison] = []
     hidden: list[str] = []

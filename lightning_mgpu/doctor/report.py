@@ -12,7 +12,7 @@ from lightning_mgpu.checks import Finding
 
 Target = Literal["mgpu_dp", "mgpu_ddp"]
 TARGETS: tuple[Target, ...] = ("mgpu_dp", "mgpu_ddp")
-Kind = Literal["step-output", "output", "gradient", "buffer"]
+Kind = Literal["step-output", "output", "gradient", "buffer", "per-rank"]
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,10 @@ class Comparison:
             after the step (``"bn.running_mean"``).
         kind: the stage, in the order the step runs them: ``"step-output"`` (only for modules that define
             ``training_step_end``: ``training_step``'s output on one device, the replicas' outputs gathered when
-            split), ``"output"`` (the hook's result, or the step's output without one), ``"gradient"``, ``"buffer"``.
+            split), ``"output"`` (the hook's result, or the step's output without one), ``"gradient"``, ``"buffer"``,
+            and for ``mgpu_ddp`` ``"per-rank"``: a ``*_step_end`` hook on every rank's rows (as with
+            ``MGPUDDPStrategy(gather_step_end=True)``) against the same hook on each rank's own, combined over the
+            ranks as DDP combines them (``what`` starts with the hook's name).
         max_abs_diff: the largest absolute difference; ``None`` when shapes differ, a value is missing, or a
             difference is not finite (NaN or inf in one run only).
         same: within ``atol + rtol * |one-device value|`` everywhere, with equal shapes.

@@ -26,6 +26,8 @@ from lightning_mgpu.engine.scatter import scatter_to_devices
 from lightning_mgpu.step.hooks import STEP_END_HOOKS, call_step_end, caller_runs_step_end, find_loss, has_step_end
 from lightning_mgpu.step.replicas import mark_outside_replicas, run_replica_step
 
+STEP_OUTPUT = "step output"
+"""The root of the key paths of what a ``*_step_end`` hook received: ``step output['pred']``."""
 DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 _UNATTACHED_LOG = r".*`self\.log\(\)` but the `self\.trainer` reference"
 
@@ -65,7 +67,7 @@ class Run:
 
 def run_reference(model: pl.LightningModule, batch: Any, seed: int) -> Run:
     """The step on one device: the result the split run must match."""
-    module = _fresh_copy(model)
+    module = fresh_copy(model)
     run = _recording_step_end(module)
     seed_all(seed)
     try:
@@ -84,7 +86,7 @@ def run_split(model: pl.LightningModule, batch: Any, seed: int, replicas: int, s
     but something a replica does differently from the module itself. ``sync_batchnorm`` is
     ``MGPUDPStrategy``'s option of that name.
     """
-    module = _fresh_copy(model)
+    module = fresh_copy(model)
     run = _recording_step_end(module)
     wrapper = MGPUDataParallel(module, [torch.device("cpu")] * replicas, sync_batchnorm=sync_batchnorm)
     seed_all(seed)
@@ -110,9 +112,10 @@ def run_chunks(model: pl.LightningModule, batch: Any, seed: int, replicas: int) 
     return [run_reference(model, chunk, seed) for chunk in chunks]
 
 
-def _fresh_copy(model: pl.LightningModule) -> pl.LightningModule:
+def fresh_copy(model: pl.LightningModule, training: bool = True) -> pl.LightningModule:
+    """A deep copy of ``model`` in training (or evaluation) mode, with every ``nn.Dropout*`` module in eval mode."""
     module = copy.deepcopy(model)
-    module.train()
+    module.train(training)
     for submodule in module.modules():
         if isinstance(submodule, DROPOUT):
             submodule.eval()

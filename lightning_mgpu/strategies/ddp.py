@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import difflib
+import functools
 import inspect
 import time
 import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -26,17 +29,25 @@ from lightning_mgpu._compat import (
     LaunchCheck,
     converts_batchnorm_to_sync,
     is_unused_parameters_error,
+    logged_batch_size,
     unused_parameter_indices,
     with_sampler,
 )
 from lightning_mgpu.engine.reduce import reduce_op_name
+from lightning_mgpu.engine.scatter import batch_size_of
 from lightning_mgpu.errors import ConfigurationError
 from lightning_mgpu.namespaces import Bindings, namespace_of
 from lightning_mgpu.step.health import StepHealth, stop_iteration_is_an_error
-from lightning_mgpu.step.hooks import call_step_end, caller_runs_step_end
+from lightning_mgpu.step.hooks import call_step_end, caller_runs_step_end, has_step_end
 from lightning_mgpu.strategies.base import MGPUStrategyMixin, bind_strategy
 from lightning_mgpu.strategies.launch_checks import check_launch_matches_trainer
-from lightning_mgpu.strategies.samplers import EvenlyShardedSampler, is_padding_sampler
+from lightning_mgpu.strategies.rank_gather import NO_OUTPUT, RankGather
+from lightning_mgpu.strategies.samplers import (
+    EvenlyShardedSampler,
+    evaluation_shards,
+    evaluation_shards_of,
+    is_padding_sampler,
+)
 from lightning_mgpu.strategies.uneven import UnevenTraining, reduce_over_real_rows
 
 if TYPE_CHECKING:
@@ -69,8 +80,69 @@ def buffer_sync_keyword() -> str:
     torch 2.13 deprecates ``broadcast_buffers`` (with a FutureWarning) in favour of ``forward_sync_buffers``; older
     torch knows only ``broadcast_buffers``.
     """
-    parameters = inspect.signature(DistributedDataParallel.__init__).parameters
-    return "forward_sync_buffers" if "forward_sync_buffers" in parameters else "broadcast_buffers"
+    return (
+        "forward_sync_buffers" if "forward_sync_buffers" in _keywords(DistributedDataParallel) else "broadcast_buffers"
+    )
+
+
+_SET_BY_THE_STRATEGY = ("module", "device_ids", "output_device")
+"""The keywords of ``DistributedDataParallel`` that the strategy fills in: Lightning's passes the module and
+``device_ids``, and ``output_device`` defaults to ``device_ids[0]``."""
+
+
+@functools.cache
+def strategy_keywords(strategy: type) -> tuple[str, ...]:
+    """Every keyword ``strategy(...)`` takes, sorted: its own, Lightning's ``DDPStrategy``'s and DDP's.
+
+    Read from the ``__init__`` of each class from ``strategy`` to its namespace's ``DDPStrategy``, and from the
+    installed torch's ``DistributedDataParallel``, less ``_SET_BY_THE_STRATEGY``; so a keyword added to any of them
+    is taken, and suggested for a misspelling, without a list to update.
+    """
+    namespace = namespace_of(strategy)
+    assert namespace is not None, "a strategy's binding has a Lightning base"
+    hierarchy = strategy.__mro__[: strategy.__mro__.index(namespace.DDPStrategy) + 1]
+    names = {name for klass in hierarchy for name in _keywords(klass)}
+    names |= set(_keywords(DistributedDataParallel)) - set(_SET_BY_THE_STRATEGY)
+    return tuple(sorted(names))
+
+
+def check_strategy_keywords(strategy: type, kwargs: Mapping[str, Any]) -> None:
+    """Refuse the keywords that would reach DDP and stop every rank in ``setup``, while the strategy is built.
+
+    Args:
+        strategy: the class being built.
+        kwargs: the keywords its ``__init__`` does not name, which go to Lightning's ``DDPStrategy`` and from there
+            to ``DistributedDataParallel``; a keyword of ``_SET_BY_THE_STRATEGY`` is refused unless it is ``None``.
+
+    Raises:
+        ConfigurationError: a keyword no class on the way takes, with the closest one that is taken (or all of
+            them), or one the strategy sets itself, with why.
+    """
+    accepted = strategy_keywords(strategy)
+    for name, value in kwargs.items():
+        if name in _SET_BY_THE_STRATEGY and value is not None:
+            raise ConfigurationError(
+                f"{strategy.__name__}({name}=...) is refused: the strategy gives DistributedDataParallel its module,"
+                " device_ids and output_device itself (the LightningModule, and on CUDA the device of each process's"
+                " local rank). Choose the devices with Trainer(devices=...), e.g. Trainer(devices=[0, 1]), and leave"
+                f" {name} out.",
+                setting=f"MGPUDDPStrategy.{name}",
+            )
+        if name not in accepted and name not in _SET_BY_THE_STRATEGY:
+            close = difflib.get_close_matches(name, accepted, n=1)
+            hint = f"Did you mean {close[0]}?" if close else f"The keywords it takes: {', '.join(accepted)}."
+            raise ConfigurationError(
+                f"{strategy.__name__} takes no keyword {name!r}: neither it, Lightning's DDPStrategy nor torch's"
+                f" DistributedDataParallel (torch {torch.__version__}) has one of that name. {hint}",
+                setting=f"MGPUDDPStrategy.{name}",
+            )
+
+
+def _keywords(function: Callable[..., Any]) -> list[str]:
+    """The parameters of ``function`` (of a class: its ``__init__``) that a keyword argument sets."""
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    parameters = inspect.signature(function).parameters.values()
+    return [parameter.name for parameter in parameters if parameter.kind in kinds]
 
 
 def release_process_group_at_exit() -> None:
@@ -103,6 +175,11 @@ def _release_process_group() -> None:
             dist.destroy_process_group()
     finally:
         time.sleep(_EXIT_GRACE_S)
+
+
+def _dataloader_index(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Which evaluation DataLoader a step's batch comes from: Lightning passes it only when there are several."""
+    return int(args[2]) if len(args) > 2 else int(kwargs.get("dataloader_idx", 0))
 
 
 def lightning_ddp_names(strategy_registry: Any, ddp_strategy: type) -> dict[str, dict[str, Any]]:
@@ -141,8 +218,16 @@ class MGPUDDPLogic(MGPUStrategyMixin, LaunchCheck, _Base):
         static_graph: bool = False,
         gradient_as_bucket_view: bool = False,
         uneven_batches: bool = False,
+        gather_step_end: bool = False,
+        forward_sync_buffers: bool | None = None,
         **kwargs: Any,
     ) -> None:
+        check_strategy_keywords(type(self), kwargs)
+        # None (checked), which leaves it to the strategy. Not kwargs.pop(name): jsonargparse would stop following
+        # **kwargs into DDP, and the command line would refuse DDP's keywords.
+        for name in _SET_BY_THE_STRATEGY:
+            if name in kwargs:
+                del kwargs[name]
         if uneven_batches and kwargs.get("model_averaging_period") is not None:
             raise ConfigurationError(
                 "MGPUDDPStrategy(uneven_batches=True) cannot be combined with model_averaging_period: post-local SGD"
@@ -150,7 +235,6 @@ class MGPUDDPLogic(MGPUStrategyMixin, LaunchCheck, _Base):
                 " step. Remove model_averaging_period, or leave uneven_batches off.",
                 setting="MGPUDDPStrategy.model_averaging_period",
             )
-        forward_sync_buffers = kwargs.pop("forward_sync_buffers", None)  # torch 2.13's name for the same switch
         if forward_sync_buffers is not None:
             broadcast_buffers = bool(forward_sync_buffers)
         super().__init__(
@@ -171,6 +255,8 @@ class MGPUDDPLogic(MGPUStrategyMixin, LaunchCheck, _Base):
         self.broadcast_buffers = broadcast_buffers
         self._uneven: UnevenTraining | None = None
         self.uneven_batches = uneven_batches
+        self.gather_step_end = gather_step_end
+        self._gathers: dict[str, RankGather] = {}
         self._health = StepHealth(self.strategy_name)
 
     @classmethod
@@ -240,7 +326,8 @@ class MGPUDDPLogic(MGPUStrategyMixin, LaunchCheck, _Base):
             assert self.lightning_module is not None
             self._health.check_batchnorm(self.lightning_module, "each rank's batch", self._batchnorm_fix())
         with stop_iteration_is_an_error("training_step"), caller_runs_step_end():
-            output = self._step_end("training_step", super().training_step(*args, **kwargs))
+            output = super().training_step(*args, **kwargs)
+            output = self._step_end("training_step", output, self._training_rows(args))
         if self._uneven is not None:
             self._uneven.undo_padding_step(self._trainer())
         self._health.check_loss(output, self._where)
@@ -249,12 +336,12 @@ class MGPUDDPLogic(MGPUStrategyMixin, LaunchCheck, _Base):
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with stop_iteration_is_an_error("validation_step"), caller_runs_step_end():
-            return self._step_end("validation_step", self._evaluate("validation_step", args, kwargs))
+            return self._evaluation_step("validation_step", args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with stop_iteration_is_an_error("test_step"), caller_runs_step_end():
-            return self._step_end("test_step", self._evaluate("test_step", args, kwargs))
+            return self._evaluation_step("test_step", args, kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -295,6 +382,9 @@ class MGPUDDPLogic(MGPUStrategyMixin, LaunchCheck, _Base):
         """
         if self._stage() in _EVALUATION_STAGES and is_padding_sampler(getattr(dataloader, "sampler", None)):
             sampler = dataloader.sampler  # type: ignore[attr-defined]
+            if self._gathers_evaluation():
+                stepped = evaluation_shards(dataloader, sampler)  # type: ignore[arg-type]
+                return with_sampler(dataloader, stepped, self._namespace)  # type: ignore[arg-type]
             unpadded = EvenlyShardedSampler.like(sampler)
             return with_sampler(dataloader, unpadded, self._namespace)  # type: ignore[arg-type]
         if self._uneven is not None and self._stage() == RunningStage.TRAINING:
@@ -319,7 +409,8 @@ class MGPUDDPLogic(MGPUStrategyMixin, LaunchCheck, _Base):
         if self._uneven is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         trainer = self._trainer()
-        scale = self._uneven.loss_scale(trainer, self.world_size)
+        # A loss over the gathered batch is the whole step's already, on every rank alike: nothing to scale.
+        scale = None if self._gathers_now("training_step") else self._uneven.loss_scale(trainer, self.world_size)
         if scale is not None:
             closure_loss = closure_loss * scale
         try:
@@ -361,11 +452,54 @@ class MGPUDDPLogic(MGPUStrategyMixin, LaunchCheck, _Base):
         step = self.lightning_module.global_step if self.lightning_module is not None else 0
         return f"at step {step} on rank {self.global_rank}"
 
-    def _step_end(self, step: str, output: Any) -> Any:
-        """This rank's output goes to the ``*_step_end`` hook, as the gathered output does under ``mgpu_dp``."""
+    def _step_end(self, step: str, output: Any, rows: int | None = None, total: int | None = None) -> Any:
+        """The ``*_step_end`` hook gets this rank's output, or with ``gather_step_end`` every rank's, gathered.
+
+        ``rows`` are this rank's real rows (0: a padding row, whose output is gathered but not merged) and ``total``
+        the step's on every rank, by which values logged in the hook are weighted, as one device weights its batch.
+        """
         module = self.lightning_module
         assert module is not None
-        return call_step_end(module, step, output)
+        if rows is None or not self._gathers_now(step):
+            return call_step_end(module, step, output)
+        gathered = self._gathers.setdefault(step, RankGather(step))
+        differentiable = step == "training_step" and torch.is_grad_enabled()
+        output = gathered(output, rows, self.root_device, differentiable)
+        with logged_batch_size(self._trainer(), total if total is not None else gathered.rows):
+            return call_step_end(module, step, output)
+
+    def _gathers_now(self, step: str) -> bool:
+        """Whether ``step``'s outputs are gathered from every rank for its ``*_step_end`` hook."""
+        module = self.lightning_module
+        return (
+            self.gather_step_end
+            and step != "predict_step"
+            and self.world_size > 1
+            and module is not None
+            and has_step_end(module, step)
+        )
+
+    def _gathers_evaluation(self) -> bool:
+        """Whether the evaluation that runs now gathers, so its ranks run their batches in steps, together."""
+        stage = self._stage()
+        step = "test_step" if stage == RunningStage.TESTING else "validation_step"
+        return self._gathers_now(step)
+
+    def _training_rows(self, args: tuple[Any, ...]) -> int | None:
+        """This rank's real rows in the training step that runs (0 for a padding row), where they are gathered."""
+        if not self._gathers_now("training_step"):
+            return None
+        running = None if self._uneven is None else self._uneven.running(self._trainer())
+        return running.rows if running is not None else batch_size_of(args[0])
+
+    def _evaluation_step(self, step: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """An evaluation step and its ``*_step_end``; a rank whose batch is a padding row runs only the gather."""
+        if not self._gathers_now(step):
+            return self._step_end(step, self._evaluate(step, args, kwargs))
+        shards = evaluation_shards_of(self._trainer(), step, _dataloader_index(args, kwargs))
+        rows, total = shards.rows(args[1])
+        output = self._evaluate(step, args, kwargs) if rows else NO_OUTPUT
+        return self._step_end(step, output, rows, total)
 
     def _evaluate(self, step: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run an evaluation step on the module itself, never through the DDP wrapper.
@@ -454,6 +588,16 @@ class MGPUDDPStrategy(MGPUDDPLogic, LightningDDPStrategy):
             (:mod:`~lightning_mgpu.strategies.uneven_checks`) raises ``ConfigurationError`` on every rank before the
             first step. Off by default: training then uses Lightning's ``DistributedSampler``, which pads the last
             shards with duplicate samples.
+        gather_step_end: give every rank's ``training_step_end``, ``validation_step_end`` and ``test_step_end``
+            every rank's step output, merged in batch order as ``mgpu_dp`` merges its replicas'
+            (:mod:`~lightning_mgpu.strategies.rank_gather`); in training the gather is differentiable, so a loss over
+            the whole batch, written as for one device, gets one device's gradients. Outputs that cannot be gathered
+            raise ``GatherError`` on every rank at the first step. Costs each rank the world size times its outputs
+            (and their gradient). Off by default: each rank's hook gets its own output.
+        forward_sync_buffers: torch 2.13's name for ``broadcast_buffers``, taken on any torch; it wins when given.
         **kwargs: passed to ``DistributedDataParallel`` (``bucket_cap_mb``, ...); ``ddp_comm_state``,
             ``ddp_comm_hook``, ``ddp_comm_wrapper`` and ``model_averaging_period`` go to Lightning's DDP strategy.
+            A keyword that neither takes (read from the installed torch and Lightning) raises ``ConfigurationError``
+            here, naming the closest one taken, instead of failing every rank in ``setup``; so do ``module``,
+            ``device_ids`` and ``output_device``, which the strategy sets (``None`` is taken and left to it).
     """

@@ -7,7 +7,9 @@ from typing import Any
 
 import torch
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
-from torch.utils.data import DistributedSampler, Sampler
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
+
+from lightning_mgpu.errors import ConfigurationError
 
 
 class EvenlyShardedSampler(UnrepeatedDistributedSampler):
@@ -154,3 +156,47 @@ class UnevenShardSampler(Sampler[int]):
             generator = torch.Generator().manual_seed(self.seed + self.epoch)
             return torch.randperm(len(self.dataset), generator=generator).tolist()
         return list(range(len(self.dataset)))
+
+
+def evaluation_shards(dataloader: DataLoader, sampler: DistributedSampler) -> UnevenShardSampler:
+    """The shards of an evaluation DataLoader whose steps every rank runs together, for ``gather_step_end``.
+
+    Rank ``r`` takes rows ``[r * batch_size, (r + 1) * batch_size)`` of each step of ``ranks * batch_size`` rows, in
+    the DataLoader's order, so the ranks' batches gathered in rank order are one device's batch; in an uneven last
+    step a rank left without a row runs a padding row, which the gather leaves out.
+
+    Raises:
+        ConfigurationError: for a DataLoader without a ``batch_size`` (its own batch sampler), whose steps cannot be
+            planned.
+    """
+    if dataloader.batch_size is None:
+        raise ConfigurationError(
+            "MGPUDDPStrategy(gather_step_end=True) gathers every rank's evaluation outputs in steps of batch_size"
+            " rows per rank, but this evaluation DataLoader draws its batches from"
+            f" batch_sampler={type(dataloader.batch_sampler).__name__}. Build it with batch_size=... and no"
+            " batch_sampler, or leave gather_step_end off.",
+            setting="DataLoader.batch_sampler",
+        )
+    return UnevenShardSampler.like(sampler, dataloader.batch_size, shuffle=sampler.shuffle)
+
+
+def evaluation_shards_of(trainer: Any, step: str, dataloader_index: int) -> UnevenShardSampler:
+    """The ``evaluation_shards`` of the DataLoader whose batch the evaluation ``step`` runs now.
+
+    Raises:
+        ConfigurationError: for a DataLoader whose sampler the strategy could not replace (no distributed sampler:
+            every rank would run every row, and the gathered batch would hold each row once per rank).
+    """
+    loaders = trainer.test_dataloaders if step == "test_step" else trainer.val_dataloaders
+    loader = loaders[dataloader_index] if isinstance(loaders, (list, tuple)) else loaders
+    sampler = getattr(loader, "sampler", None)
+    if not isinstance(sampler, UnevenShardSampler):
+        raise ConfigurationError(
+            f"MGPUDDPStrategy(gather_step_end=True) gathers every rank's {step} outputs into one device's batches, so"
+            f" it shards the evaluation data itself, but this DataLoader's sampler is {type(sampler).__name__}, not a"
+            " DistributedSampler it can replace (Trainer(use_distributed_sampler=False), or a sampler of its own):"
+            " every rank would run every row. Leave use_distributed_sampler on and the sampler to Lightning, or leave"
+            " gather_step_end off.",
+            setting="DataLoader.sampler",
+        )
+    return sampler

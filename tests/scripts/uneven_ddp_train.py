@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models import regression_data  # noqa: E402
+from recorder import recorder_class  # noqa: E402
 
 import lightning_mgpu  # noqa: E402
 
@@ -79,26 +80,7 @@ class Uneven(pl.LightningModule):
         return torch.optim.SGD(self.net.parameters(), lr=0.1, momentum=0.9)
 
 
-class Recorder(pl.loggers.Logger):
-    """Keeps every value the loop logs, on every rank (Lightning's own loggers write from rank 0 only)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.logged: list[dict[str, float]] = []
-
-    @property
-    def name(self) -> str:
-        return "recorder"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.logged.append({key: float(value) for key, value in metrics.items()})
-
-    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
-        pass
+Recorder = recorder_class(pl.loggers.Logger)
 
 
 class Batches(pl.Callback):
