@@ -20,10 +20,11 @@ BatchNorm layers before any replica runs.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from itertools import chain
-from typing import Any
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.nn.functional as F  # noqa: N812 - torch's own spelling
@@ -35,6 +36,7 @@ from lightning_mgpu._compat import BatchNorm
 from lightning_mgpu.errors import ConfigurationError
 
 _EMPTY = object()
+T = TypeVar("T")
 
 _BatchNormKey = tuple[str | None, int]
 """A batch-norm call of one replica: the layer whose tensors it got (``None`` for none), and its call count there."""
@@ -53,6 +55,7 @@ class ReplicaRendezvous:
         self._timeout = timeout
         self._condition = threading.Condition()
         self._values: dict[Hashable, list[Any]] = {}
+        self._combined: dict[Hashable, Any] = {}
         self._finished: set[int] = set()
         self._failed: BaseException | None = None
 
@@ -61,16 +64,26 @@ class ReplicaRendezvous:
 
         ``what`` describes the key for the errors: a replica that finished without contributing, or a timeout.
         """
+        return self.combine(index, key, value, what, list)
+
+    def combine(self, index: int, key: Hashable, value: Any, what: str, combine: Callable[[list[Any]], T]) -> T:
+        """Like ``all_gather``, but return ``combine(every replica's entry)``, computed once for all of them.
+
+        The last replica to arrive computes it while the others wait, so work that every replica needs alike is
+        done once, and no replica competes with another for the interpreter while it is done.
+        """
         with self._condition:
             values = self._values.setdefault(key, [_EMPTY] * self._parties)
             values[index] = value
+            if _EMPTY not in values:
+                self._combined[key] = combine(values)
             self._condition.notify_all()
             while True:
                 if self._failed is not None:
                     raise RendezvousAborted(f"replica {index} stopped waiting at {what}: another replica failed")
+                if key in self._combined:
+                    return self._combined[key]  # type: ignore[no-any-return]
                 missing = [other for other, entry in enumerate(values) if entry is _EMPTY]
-                if not missing:
-                    return list(values)
                 finished = [other for other in missing if other in self._finished]
                 if finished:
                     raise RuntimeError(
@@ -151,29 +164,18 @@ class WholeBatchNorm(TorchFunctionMode):
         count = self._per_layer.get(layer, 0) + 1
         self._per_layer[layer] = count
         key: _BatchNormKey = (layer, count)
-        what = _describe(key)
         x = call.input
         computed = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        reduced = [0, *range(2, x.dim())]
-        shape = [1, -1] + [1] * (x.dim() - 2)
         rows = x.numel() // max(x.shape[1], 1)
-        sums = self.rendezvous.all_gather(self.index, (key, "sum"), (computed.sum(reduced), rows), what)
-        total = sum(rows for _, rows in sums)
-        if total <= 1:
-            # torch's own refusal, for the whole batch: one value per channel has no variance.
-            raise ValueError(f"Expected more than 1 value per channel when training, got input size {list(x.shape)}")
-        mean = sum(part.to(x.device) for part, _ in sums) / total
-        centred = computed - mean.reshape(shape)
-        squares = self.rendezvous.all_gather(self.index, (key, "squares"), centred.pow(2).sum(reduced), what)
-        variance = sum(part.to(x.device) for part in squares) / total
-        output = centred * torch.rsqrt(variance + call.eps).reshape(shape)
-        if call.weight is not None:
-            output = output * call.weight.reshape(shape)
-        if call.bias is not None:
-            output = output + call.bias.reshape(shape)
-        if call.running_mean is not None or call.running_var is not None:
-            _update_running_statistics(call, mean.detach(), variance.detach() * (total / (total - 1)))
-        return output.to(x.dtype)
+        # Each torch call made in a replica's thread while the others run lets the interpreter pass between the
+        # threads and back, which costs more than these small ops compute. So each replica makes one call, its
+        # chunk's fused mean and variance, and the last replica to arrive normalises every chunk while the others
+        # wait: the whole batch's statistics combined once, one autograd node per chunk.
+        statistics = torch.var_mean(computed, [0, *range(2, x.dim())], correction=0) if rows else None
+        chunk = _Chunk(call, computed, statistics, rows, _current_stream(x))
+        outputs = self.rendezvous.combine(self.index, key, chunk, _describe(key), _normalise_every_chunk)
+        output = outputs[self.index]
+        return output if output.dtype == x.dtype else output.to(x.dtype)
 
     def _layer_of(self, *tensors: torch.Tensor | None) -> str | None:
         """The path of the module that owns the first of ``tensors`` it owns; ``None`` when it owns none."""
@@ -233,6 +235,110 @@ class _BatchNormCall:
         if not arguments["training"] or not isinstance(x, torch.Tensor) or x.dim() < 2:
             return None
         return cls(arguments)
+
+
+class _Chunk(NamedTuple):
+    """What one replica brings to a batch-norm call's exchange."""
+
+    call: _BatchNormCall
+    input: torch.Tensor
+    """The call's input, in float32 where it came in half precision."""
+    statistics: tuple[torch.Tensor, torch.Tensor] | None
+    """``torch.var_mean`` of the input per channel (variance, mean); ``None`` for a chunk without rows."""
+    rows: int
+    stream: Any
+    """The CUDA stream the replica's thread runs on, for its chunk's ops; ``None`` off CUDA."""
+
+
+def _normalise_every_chunk(chunks: list[_Chunk]) -> list[torch.Tensor]:
+    """Every chunk normalised by the whole batch's per-channel mean and variance, in one thread.
+
+    Each chunk's variance is about its own mean, and the spread of the means is added by their rows (Chan et al.'s
+    pairwise combination), so no two large sums are subtracted: as exact as one device's two passes. Gradients
+    reach every chunk's input through its ``torch.var_mean``. Running statistics handed to each chunk's call are
+    updated as torch's function updates them.
+
+    Raises:
+        ValueError: torch's own refusal, for the whole batch: one value per channel has no variance.
+    """
+    total = sum(chunk.rows for chunk in chunks)
+    if total <= 1:
+        shape = list(next(chunk for chunk in chunks if chunk.rows).input.shape) if any(c.rows for c in chunks) else []
+        raise ValueError(f"Expected more than 1 value per channel when training, got input size {shape}")
+    counted = [chunk for chunk in chunks if chunk.statistics is not None]
+    device = counted[0].input.device
+    variances = torch.stack([chunk.statistics[0].to(device) for chunk in counted])  # type: ignore[index]
+    means = torch.stack([chunk.statistics[1].to(device) for chunk in counted])  # type: ignore[index]
+    weights = torch.tensor([chunk.rows / total for chunk in counted], dtype=means.dtype, device=device)
+    mean = weights @ means
+    variance = weights @ (variances + (means - mean).pow(2))
+    unbiased = variance.detach() * (total / (total - 1))
+    outputs = []
+    for chunk in chunks:
+        call = chunk.call
+        with torch.cuda.stream(chunk.stream) if chunk.stream is not None else contextlib.nullcontext():
+            here = chunk.input.device
+            weight, bias = (None if t is None else t.to(chunk.input.dtype) for t in (call.weight, call.bias))
+            outputs.append(
+                _Normalisation.apply(chunk.input, weight, bias, mean.to(here), variance.to(here), call.eps)
+            )
+            if call.running_mean is not None or call.running_var is not None:
+                _update_running_statistics(call, mean.detach().to(here), unbiased.to(here))
+    return outputs
+
+
+def _current_stream(x: torch.Tensor) -> Any:
+    return torch.cuda.current_stream(x.device) if x.is_cuda else None
+
+
+class _Normalisation(torch.autograd.Function):
+    """``(x - mean) / sqrt(variance + eps) * weight + bias`` per channel, as one autograd node.
+
+    The same arithmetic as separate ops would make six nodes per chunk and layer, each a call into torch from the
+    replica's thread. ``mean`` and ``variance`` are the whole batch's and get their gradients too. The backward is
+    written in differentiable ops of the saved inputs, so second derivatives (a gradient penalty) are exact as well.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        mean: torch.Tensor,
+        variance: torch.Tensor,
+        eps: float,
+    ) -> torch.Tensor:
+        ctx.eps = eps
+        ctx.save_for_backward(x, weight, mean, variance)
+        shape = _channels(x)
+        output = (x - mean.reshape(shape)) * torch.rsqrt(variance + eps).reshape(shape)
+        if weight is not None:
+            output = output * weight.reshape(shape)
+        return output if bias is None else output + bias.reshape(shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        x, weight, mean, variance = ctx.saved_tensors
+        shape, reduced = _channels(x), [0, *range(2, x.dim())]
+        inverse_std = torch.rsqrt(variance + ctx.eps)
+        scale = inverse_std if weight is None else weight * inverse_std
+        grad_sum = grad.sum(reduced)
+        grad_centred_sum = (grad * (x - mean.reshape(shape))).sum(reduced)
+        wanted = ctx.needs_input_grad
+        return (
+            grad * scale.reshape(shape) if wanted[0] else None,
+            grad_centred_sum * inverse_std if wanted[1] else None,
+            grad_sum if wanted[2] else None,
+            -grad_sum * scale if wanted[3] else None,
+            -0.5 * grad_centred_sum * scale * inverse_std.pow(2) if wanted[4] else None,
+            None,
+        )
+
+
+def _channels(x: torch.Tensor) -> list[int]:
+    """The shape that broadcasts a per-channel vector over ``x`` (channels in dim 1)."""
+    return [1, -1] + [1] * (x.dim() - 2)
 
 
 @torch.no_grad()
