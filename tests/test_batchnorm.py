@@ -194,6 +194,31 @@ def test_fit_with_batchnorm_compiled_with_fullgraph_stops_before_the_first_step(
     assert_same_parameters(before, parameters(model))
 
 
+@pytest.mark.usefixtures("float64")
+@pytest.mark.parametrize("devices", [2, 3])
+def test_a_gradient_penalty_through_batchnorm_equals_one_device(devices: int) -> None:
+    """Second derivatives flow through the whole batch's statistics as through one device's (WGAN-GP, R1)."""
+    torch.manual_seed(2)
+    single = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 1))
+    parallel = copy.deepcopy(single)
+    x = torch.randn(7, 4) * 2 + 1
+
+    def penalised(model: nn.Module) -> torch.Tensor:
+        inputs = x.clone().requires_grad_(True)
+        output = model(inputs)
+        (slope,) = torch.autograd.grad(output.sum(), inputs, create_graph=True)
+        return output.pow(2).mean() + slope.pow(2).sum(1).sub(1).pow(2).mean()
+
+    penalised(single).backward()
+    wrapper = MGPUDataParallel(parallel, [torch.device("cpu")] * devices)
+    try:
+        penalised(wrapper).backward()
+    finally:
+        wrapper.close()
+    for (key, ours), theirs in zip(single.named_parameters(), parallel.parameters(), strict=True):
+        torch.testing.assert_close(theirs.grad, ours.grad, atol=1e-10, rtol=1e-10, msg=f"gradient of {key}")
+
+
 def test_half_precision_inputs_keep_their_dtype_and_match_one_device() -> None:
     torch.manual_seed(0)
     layer = nn.BatchNorm1d(3).to(torch.bfloat16)
