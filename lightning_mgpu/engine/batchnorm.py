@@ -8,11 +8,16 @@ BatchNorm layer's own forward, from a subclass's forward through ``super().forwa
 normalises, then drops and activates), or from a module's own code. No method of any module is replaced, so every
 layer's forward runs as written and only the normalisation inside it spans the whole batch.
 
-The replicas of one call exchange per-channel sums (the replicas are threads of one process, so the exchange is a
-hand-over of tensors within one autograd graph), and each normalises by the statistics of the whole batch; gradients
-flow through the exchanged sums as they flow through one device's batch statistics. Running statistics handed to the
-call are updated as torch's function updates them, so replica 0, which holds the module's own buffers, keeps them as
-one device would.
+The replicas of one call meet twice (the replicas are threads of one process, so a meeting is a hand-over of
+tensors within one autograd graph): each gives its chunk's per-channel sums, for the whole batch's mean, then its
+sums of squares about that mean, for the variance; two passes, as one device computes them. The last replica to
+arrive at the second meeting normalises every chunk while the others wait, as one autograd node whose backward is
+one device's batch-norm gradient over the whole batch, so gradients flow through the statistics as on one device.
+On small layers the cost is the count of calls into torch, each several microseconds of Python, more than the
+per-channel ops compute; so the common work is done once, and each chunk is normalised by torch's own batch-norm
+kernel with the whole batch's statistics given (forward) and its own batch-norm backward (one call per chunk).
+Running statistics handed to the call are updated as torch's function updates them, so
+replica 0, which holds the module's own buffers, keeps them as one device would.
 
 A module compiled with ``fullgraph=True`` cannot leave its graph for the exchange; ``check_exchangeable`` names its
 BatchNorm layers before any replica runs.
@@ -82,7 +87,7 @@ class ReplicaRendezvous:
                 if self._failed is not None:
                     raise RendezvousAborted(f"replica {index} stopped waiting at {what}: another replica failed")
                 if key in self._combined:
-                    return self._combined[key]  # type: ignore[no-any-return]
+                    return self._combined[key]
                 missing = [other for other, entry in enumerate(values) if entry is _EMPTY]
                 finished = [other for other in missing if other in self._finished]
                 if finished:
@@ -166,13 +171,10 @@ class WholeBatchNorm(TorchFunctionMode):
         key: _BatchNormKey = (layer, count)
         x = call.input
         computed = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        rows = x.numel() // max(x.shape[1], 1)
-        # Each torch call made in a replica's thread while the others run lets the interpreter pass between the
-        # threads and back, which costs more than these small ops compute. So each replica makes one call, its
-        # chunk's fused mean and variance, and the last replica to arrive normalises every chunk while the others
-        # wait: the whole batch's statistics combined once, one autograd node per chunk.
-        statistics = torch.var_mean(computed, [0, *range(2, x.dim())], correction=0) if rows else None
-        chunk = _Chunk(call, computed, statistics, rows, _current_stream(x))
+        # The last replica to arrive does the work of every chunk, while the others wait: the whole batch's mean,
+        # then its variance about that mean (two passes, as one device computes them), then each chunk's
+        # normalisation, all chunks as one autograd node.
+        chunk = _Chunk(call, computed, _current_stream(x))
         outputs = self.rendezvous.combine(self.index, key, chunk, _describe(key), _normalise_every_chunk)
         output = outputs[self.index]
         return output if output.dtype == x.dtype else output.to(x.dtype)
@@ -243,97 +245,185 @@ class _Chunk(NamedTuple):
     call: _BatchNormCall
     input: torch.Tensor
     """The call's input, in float32 where it came in half precision."""
-    statistics: tuple[torch.Tensor, torch.Tensor] | None
-    """``torch.var_mean`` of the input per channel (variance, mean); ``None`` for a chunk without rows."""
-    rows: int
     stream: Any
     """The CUDA stream the replica's thread runs on, for its chunk's ops; ``None`` off CUDA."""
 
 
 def _normalise_every_chunk(chunks: list[_Chunk]) -> list[torch.Tensor]:
-    """Every chunk normalised by the whole batch's per-channel mean and variance, in one thread.
-
-    Each chunk's variance is about its own mean, and the spread of the means is added by their rows (Chan et al.'s
-    pairwise combination), so no two large sums are subtracted: as exact as one device's two passes. Gradients
-    reach every chunk's input through its ``torch.var_mean``. Running statistics handed to each chunk's call are
-    updated as torch's function updates them.
+    """Every chunk normalised by the whole batch's mean and variance: one autograd node for all of them.
 
     Raises:
         ValueError: torch's own refusal, for the whole batch: one value per channel has no variance.
     """
-    total = sum(chunk.rows for chunk in chunks)
+    inputs = [chunk.input for chunk in chunks]
+    total = sum(x.numel() // max(x.shape[1], 1) for x in inputs)
     if total <= 1:
-        shape = list(next(chunk for chunk in chunks if chunk.rows).input.shape) if any(c.rows for c in chunks) else []
+        shape = [sum(x.shape[0] for x in inputs), *inputs[0].shape[1:]]
         raise ValueError(f"Expected more than 1 value per channel when training, got input size {shape}")
-    counted = [chunk for chunk in chunks if chunk.statistics is not None]
-    device = counted[0].input.device
-    variances = torch.stack([chunk.statistics[0].to(device) for chunk in counted])  # type: ignore[index]
-    means = torch.stack([chunk.statistics[1].to(device) for chunk in counted])  # type: ignore[index]
-    weights = torch.tensor([chunk.rows / total for chunk in counted], dtype=means.dtype, device=device)
-    mean = weights @ means
-    variance = weights @ (variances + (means - mean).pow(2))
-    unbiased = variance.detach() * (total / (total - 1))
-    outputs = []
-    for chunk in chunks:
-        call = chunk.call
-        with torch.cuda.stream(chunk.stream) if chunk.stream is not None else contextlib.nullcontext():
-            here = chunk.input.device
-            weight, bias = (None if t is None else t.to(chunk.input.dtype) for t in (call.weight, call.bias))
-            outputs.append(
-                _Normalisation.apply(chunk.input, weight, bias, mean.to(here), variance.to(here), call.eps)
+    with torch.no_grad():
+        mean, variance = _whole_batch_statistics(inputs, total, [chunk.stream for chunk in chunks])
+    calls = [chunk.call for chunk in chunks]
+    dtype = inputs[0].dtype
+    weights = [None if call.weight is None else _as(call.weight, dtype) for call in calls]
+    biases = [None if call.bias is None else _as(call.bias, dtype) for call in calls]
+    return list(_WholeBatchNorm.apply(chunks, (mean, variance, total), *inputs, *weights, *biases))
+
+
+def _whole_batch_statistics(
+    inputs: Sequence[torch.Tensor], total: int, streams: Sequence[Any] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole batch's per-channel mean and biased variance in differentiable ops: two passes, as one device.
+
+    ``streams``: each chunk's CUDA stream (``None`` entries off CUDA), where its reductions run.
+    """
+    reduced = [0, *range(2, inputs[0].dim())]
+    device = inputs[0].device
+    chunk_streams = streams if streams is not None else [None] * len(inputs)
+    sums = []
+    for x, stream in zip(inputs, chunk_streams, strict=True):
+        with _on_stream(stream):
+            sums.append(_to(x.sum(reduced), device))
+    mean: torch.Tensor = sum(sums) / total  # type: ignore[assignment]
+    squares = []
+    for x, stream in zip(inputs, chunk_streams, strict=True):
+        with _on_stream(stream):
+            squares.append(_to((x - _to(mean, x.device).view(_channels(x))).pow(2).sum(reduced), device))
+    return mean, sum(squares) / total  # type: ignore[return-value]
+
+
+class _WholeBatchNorm(torch.autograd.Function):
+    """Every chunk of one batch-norm call, normalised by the whole batch's statistics, as one autograd node.
+
+    The forward is torch's own batch-norm kernel given the whole batch's mean and variance, run for every chunk in
+    one thread; the backward is one device's batch-norm gradient
+    over the whole batch, each chunk's share on its own device. Inputs: every chunk's input, then every replica's
+    weight and bias (``None`` without), so each replica's parameters get their chunk's gradient.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        chunks: list[_Chunk],
+        statistics: tuple[torch.Tensor, torch.Tensor, int],
+        *tensors: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, ...]:
+        count = len(chunks)
+        inputs = [chunk.input for chunk in chunks]  # the same tensors as tensors[:count], which autograd tracks
+        weights, biases = tensors[count : 2 * count], tensors[2 * count :]
+        mean, variance, total = statistics
+        eps = chunks[0].call.eps
+        unbiased = variance * (total / (total - 1))
+        outputs = []
+        for chunk, x, weight, bias in zip(chunks, inputs, weights, biases, strict=True):
+            with _on_stream(chunk.stream):
+                here = x.device
+                mean_here, variance_here = _to(mean, here), _to(variance, here)
+                # torch's own kernel with the whole batch's statistics given: one call per chunk.
+                outputs.append(torch.batch_norm(x, weight, bias, mean_here, variance_here, False, 0.0, eps, True))
+                call = chunk.call
+                if call.running_mean is not None or call.running_var is not None:
+                    _update_running_statistics(call, mean_here, _to(unbiased, here))
+        ctx.eps, ctx.count, ctx.total = eps, count, total
+        ctx.weighted, ctx.biased = [w is not None for w in weights], [b is not None for b in biases]
+        ctx.save_for_backward(*inputs, *weights, mean, variance)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        count = ctx.count
+        saved = ctx.saved_tensors
+        inputs, weights = saved[:count], saved[count : 2 * count]
+        mean, variance = saved[2 * count], saved[2 * count + 1]
+        total = ctx.total
+        wanted = ctx.needs_input_grad[2:]
+        if not torch.is_grad_enabled():
+            return (None, None, *_fused_backward(ctx, grads, inputs, weights, mean, variance, wanted))
+        # A second derivative: the statistics as functions of every chunk's input, in differentiable ops.
+        mean, variance = _whole_batch_statistics(inputs, total)
+        inverse_std = torch.rsqrt(variance + ctx.eps)
+        shape = _channels(inputs[0])
+        reduced = [0, *range(2, inputs[0].dim())]
+        root = mean.device
+        grad_sums = [grad.sum(reduced) for grad in grads]
+        centred_sums = [
+            (grad * (x - mean.to(x.device).view(shape))).sum(reduced) for grad, x in zip(grads, inputs, strict=True)
+        ]
+        mean_grad = sum(part.to(root) for part in grad_sums) / total
+        mean_centred = sum(part.to(root) for part in centred_sums) * inverse_std.pow(2) / total
+        scale = inverse_std if weights[0] is None else weights[0] * inverse_std
+        grad_inputs, grad_weights, grad_biases = [], [], []
+        for index, (grad, x) in enumerate(zip(grads, inputs, strict=True)):
+            here = x.device
+            centred = x - mean.to(here).view(shape)
+            grad_x = (grad - mean_grad.to(here).view(shape) - centred * mean_centred.to(here).view(shape)) * scale.to(
+                here
+            ).view(shape)
+            grad_inputs.append(grad_x if wanted[index] else None)
+            grad_weights.append(
+                centred_sums[index] * inverse_std.to(here) if ctx.weighted[index] and wanted[count + index] else None
             )
-            if call.running_mean is not None or call.running_var is not None:
-                _update_running_statistics(call, mean.detach().to(here), unbiased.to(here))
-    return outputs
+            grad_biases.append(grad_sums[index] if ctx.biased[index] and wanted[2 * count + index] else None)
+        return (None, None, *grad_inputs, *grad_weights, *grad_biases)
+
+
+def _fused_backward(
+    ctx: Any,
+    grads: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    weights: Sequence[torch.Tensor | None],
+    mean: torch.Tensor,
+    variance: torch.Tensor,
+    wanted: Sequence[bool],
+) -> list[torch.Tensor | None]:
+    """``_WholeBatchNorm``'s gradients in few calls into torch: one device's batch-norm gradient over every chunk.
+
+    torch's batch-norm backward with the whole batch's statistics given gives, per chunk in one call, the gradient
+    with the statistics held fixed and the chunk's sums of the gradient and of the gradient times the normalised
+    input; the whole batch's sums then correct each chunk's input gradient for the statistics' dependence on it.
+    """
+    count, total = len(inputs), ctx.total
+    root = mean.device
+    shape = _channels(inputs[0])
+    parts = [
+        _compat.batch_norm_backward_parts(grad, x, weight, _to(mean, x.device), _to(variance, x.device), ctx.eps)
+        for grad, x, weight in zip(grads, inputs, weights, strict=True)
+    ]
+    inverse_std = torch.rsqrt(variance + ctx.eps)
+    scale = inverse_std if weights[0] is None else weights[0] * inverse_std
+    mean_grad = sum(_to(grad_bias, root) for _, _, grad_bias in parts) / total
+    mean_normalised_grad = sum(_to(grad_weight, root) for _, grad_weight, _ in parts) / total
+    slope = -scale * inverse_std * mean_normalised_grad
+    offset = -scale * mean_grad
+    grad_inputs, grad_weights, grad_biases = [], [], []
+    for index, (x, (held, grad_weight, grad_bias)) in enumerate(zip(inputs, parts, strict=True)):
+        here = x.device
+        centred = x - _to(mean, here).view(shape)
+        grad_inputs.append(
+            torch.addcmul(held, centred, _to(slope, here).view(shape)).add_(_to(offset, here).view(shape))
+            if wanted[index]
+            else None
+        )
+        grad_weights.append(grad_weight if ctx.weighted[index] and wanted[count + index] else None)
+        grad_biases.append(grad_bias if ctx.biased[index] and wanted[2 * count + index] else None)
+    return [*grad_inputs, *grad_weights, *grad_biases]
+
+
+def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``, without a call into torch where it is there already."""
+    return tensor if tensor.device == device else tensor.to(device)
+
+
+def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` in ``dtype``, without a call into torch where it is in it already."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+
+def _on_stream(stream: Any) -> Any:
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 def _current_stream(x: torch.Tensor) -> Any:
     return torch.cuda.current_stream(x.device) if x.is_cuda else None
-
-
-class _Normalisation(torch.autograd.Function):
-    """``(x - mean) / sqrt(variance + eps) * weight + bias`` per channel, as one autograd node.
-
-    The same arithmetic as separate ops would make six nodes per chunk and layer, each a call into torch from the
-    replica's thread. ``mean`` and ``variance`` are the whole batch's and get their gradients too. The backward is
-    written in differentiable ops of the saved inputs, so second derivatives (a gradient penalty) are exact as well.
-    """
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        x: torch.Tensor,
-        weight: torch.Tensor | None,
-        bias: torch.Tensor | None,
-        mean: torch.Tensor,
-        variance: torch.Tensor,
-        eps: float,
-    ) -> torch.Tensor:
-        ctx.eps = eps
-        ctx.save_for_backward(x, weight, mean, variance)
-        shape = _channels(x)
-        output = (x - mean.reshape(shape)) * torch.rsqrt(variance + eps).reshape(shape)
-        if weight is not None:
-            output = output * weight.reshape(shape)
-        return output if bias is None else output + bias.reshape(shape)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        x, weight, mean, variance = ctx.saved_tensors
-        shape, reduced = _channels(x), [0, *range(2, x.dim())]
-        inverse_std = torch.rsqrt(variance + ctx.eps)
-        scale = inverse_std if weight is None else weight * inverse_std
-        grad_sum = grad.sum(reduced)
-        grad_centred_sum = (grad * (x - mean.reshape(shape))).sum(reduced)
-        wanted = ctx.needs_input_grad
-        return (
-            grad * scale.reshape(shape) if wanted[0] else None,
-            grad_centred_sum * inverse_std if wanted[1] else None,
-            grad_sum if wanted[2] else None,
-            -grad_sum * scale if wanted[3] else None,
-            -0.5 * grad_centred_sum * scale * inverse_std.pow(2) if wanted[4] else None,
-            None,
-        )
 
 
 def _channels(x: torch.Tensor) -> list[int]:
