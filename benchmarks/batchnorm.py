@@ -128,7 +128,7 @@ class _Handoffs:
         def meet(index: int) -> Callable[[], None]:
             def call() -> None:
                 for key in range(meetings):
-                    rendezvous.all_gather(index, key, None, "a hand-off")
+                    rendezvous.combine(index, key, None, "a hand-off", list)
 
             return call
 

@@ -8,16 +8,15 @@ BatchNorm layer's own forward, from a subclass's forward through ``super().forwa
 normalises, then drops and activates), or from a module's own code. No method of any module is replaced, so every
 layer's forward runs as written and only the normalisation inside it spans the whole batch.
 
-The replicas of one call meet twice (the replicas are threads of one process, so a meeting is a hand-over of
-tensors within one autograd graph): each gives its chunk's per-channel sums, for the whole batch's mean, then its
-sums of squares about that mean, for the variance; two passes, as one device computes them. The last replica to
-arrive at the second meeting normalises every chunk while the others wait, as one autograd node whose backward is
-one device's batch-norm gradient over the whole batch, so gradients flow through the statistics as on one device.
-On small layers the cost is the count of calls into torch, each several microseconds of Python, more than the
-per-channel ops compute; so the common work is done once, and each chunk is normalised by torch's own batch-norm
-kernel with the whole batch's statistics given (forward) and its own batch-norm backward (one call per chunk).
-Running statistics handed to the call are updated as torch's function updates them, so
-replica 0, which holds the module's own buffers, keeps them as one device would.
+The replicas of one call meet once per batch-norm call (they are threads of one process, so a meeting is a
+hand-over of tensors within one autograd graph), and the last to arrive does the work of every chunk while the
+others wait: the whole batch's mean, then its variance about that mean (two passes, as one device computes them),
+then each chunk normalised by torch's own batch-norm kernel with those statistics given, all chunks as one autograd
+node whose backward is one device's batch-norm gradient over the whole batch (torch's batch-norm backward for fixed
+statistics per chunk, corrected by the whole batch's sums). So gradients flow through the statistics as on one
+device, and a layer costs few calls into torch: on small layers each call, several microseconds of Python, costs more
+than the per-channel ops compute. Running statistics handed to the call are updated as torch's function updates them,
+so replica 0, which holds the module's own buffers, keeps them as one device would.
 
 A module compiled with ``fullgraph=True`` cannot leave its graph for the exchange; ``check_exchangeable`` names its
 BatchNorm layers before any replica runs.
@@ -41,7 +40,7 @@ from lightning_mgpu._compat import BatchNorm
 from lightning_mgpu.errors import ConfigurationError
 
 _EMPTY = object()
-T = TypeVar("T")
+_T = TypeVar("_T")
 
 _BatchNormKey = tuple[str | None, int]
 """A batch-norm call of one replica: the layer whose tensors it got (``None`` for none), and its call count there."""
@@ -64,18 +63,11 @@ class ReplicaRendezvous:
         self._finished: set[int] = set()
         self._failed: BaseException | None = None
 
-    def all_gather(self, index: int, key: Hashable, value: Any, what: str) -> list[Any]:
-        """Give ``value`` as replica ``index``'s entry under ``key`` and return every replica's entry, in order.
+    def combine(self, index: int, key: Hashable, value: Any, what: str, combine: Callable[[list[Any]], _T]) -> _T:
+        """Give ``value`` as replica ``index``'s entry under ``key``; return ``combine(every replica's entry)``.
 
-        ``what`` describes the key for the errors: a replica that finished without contributing, or a timeout.
-        """
-        return self.combine(index, key, value, what, list)
-
-    def combine(self, index: int, key: Hashable, value: Any, what: str, combine: Callable[[list[Any]], T]) -> T:
-        """Like ``all_gather``, but return ``combine(every replica's entry)``, computed once for all of them.
-
-        The last replica to arrive computes it while the others wait, so work that every replica needs alike is
-        done once, and no replica competes with another for the interpreter while it is done.
+        The last replica to arrive computes it, once, while the others wait. ``what`` describes the key for the
+        errors: a replica that finished without contributing, or a timeout.
         """
         with self._condition:
             values = self._values.setdefault(key, [_EMPTY] * self._parties)
@@ -295,8 +287,8 @@ class _WholeBatchNorm(torch.autograd.Function):
     """Every chunk of one batch-norm call, normalised by the whole batch's statistics, as one autograd node.
 
     The forward is torch's own batch-norm kernel given the whole batch's mean and variance, run for every chunk in
-    one thread; the backward is one device's batch-norm gradient
-    over the whole batch, each chunk's share on its own device. Inputs: every chunk's input, then every replica's
+    one thread; the backward is one device's batch-norm gradient over the whole batch, each chunk's share on its own
+    device. Inputs: every chunk's input, then every replica's
     weight and bias (``None`` without), so each replica's parameters get their chunk's gradient.
     """
 
