@@ -589,3 +589,24 @@ def rejected_value(message: str) -> tuple[list[str], str] | None:
     """The types a jsonargparse error expected and the value it was given (``(['int', 'NoneType'], 'abc')``)."""
     expected, given = _EXPECTED.findall(message), _GIVEN.search(message)
     return (list(dict.fromkeys(expected)), given.group(1).strip()) if expected and given else None
+
+
+def batch_norm_backward_parts(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    mean: torch.Tensor,
+    variance: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The batch-norm backward for fixed statistics: the input's gradient, ``sum(grad * x_hat)`` and ``sum(grad)``.
+
+    ``aten::native_batch_norm_backward`` in evaluation mode (``train=False``, the statistics passed as running ones)
+    computes all three per channel in one call on every device; no public function gives them without building an
+    autograd graph. Its signature has been the same in every torch this package supports; ``tests/test_compat.py``
+    checks the three against the formulas.
+    """
+    parts = torch.ops.aten.native_batch_norm_backward(
+        grad, x, weight, mean, variance, None, None, False, eps, [True, True, True]
+    )
+    return parts[0], parts[1], parts[2]

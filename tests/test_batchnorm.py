@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -217,6 +218,44 @@ def test_a_gradient_penalty_through_batchnorm_equals_one_device(devices: int) ->
         wrapper.close()
     for (key, ours), theirs in zip(single.named_parameters(), parallel.parameters(), strict=True):
         torch.testing.assert_close(theirs.grad, ours.grad, atol=1e-10, rtol=1e-10, msg=f"gradient of {key}")
+
+
+class _Late(nn.Module):
+    """Holds back the chunk of ``rows`` rows, so that its replica is the last to reach the next batch-norm call."""
+
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.rows = rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == self.rows:
+            time.sleep(0.02)
+        return x
+
+
+@pytest.mark.usefixtures("float64")
+def test_the_result_does_not_depend_on_which_replica_reaches_the_exchange_last() -> None:
+    torch.manual_seed(3)
+    reference = nn.Sequential(nn.Linear(4, 6), _Late(0), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 1))
+    x = torch.randn(7, 4) * 2 + 1
+    results = []
+    for late_rows in (0, 4, 3):  # nobody held back (one device), then replica 0, then replica 1 last
+        model = copy.deepcopy(reference)
+        model[1].rows = late_rows
+        wrapper = MGPUDataParallel(model, [torch.device("cpu")] * (1 if late_rows == 0 else 2))
+        try:
+            output = wrapper(x)
+            output.pow(2).sum().backward()
+        finally:
+            wrapper.close()
+        results.append((output.detach(), [p.grad for p in model.parameters()], list(model.buffers())))
+    (one_device, *held_back) = results
+    first, second = held_back
+    assert torch.equal(first[0], second[0])
+    assert all(torch.equal(a, b) for a, b in zip(first[1] + first[2], second[1] + second[2], strict=True))
+    torch.testing.assert_close(first[0], one_device[0], atol=1e-12, rtol=0)
+    for ours, theirs in zip(first[1] + first[2], one_device[1] + one_device[2], strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-10, rtol=1e-10)
 
 
 def test_half_precision_inputs_keep_their_dtype_and_match_one_device() -> None:

@@ -110,3 +110,19 @@ def test_a_run_writes_outside_the_tracked_tree_unless_told_where() -> None:
     ignored = subprocess.run(["git", "check-ignore", "-q", str(default)], cwd=ROOT, check=False)
     assert ignored.returncode == 0, f"{default} is not ignored by git"
     assert RESULTS.is_relative_to(ROOT)
+
+
+def test_the_batchnorm_benchmark_measures_every_model_and_variant(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import batchnorm
+
+    result = batchnorm.measure("smoke")
+    assert result["layers"] == {"conv8_bn1": 1, "conv8_bn8": 8, "conv16_bn1": 1, "conv16_bn16": 16, "resnet4": 8}
+    rows = {row["model"]: row for row in batchnorm.summary(result)}
+    assert set(rows) == set(batchnorm.MODELS)
+    for row in rows.values():
+        assert all(row[f"{variant}_ms"] > 0 for variant in batchnorm.VARIANTS), row
+        assert row["ratio_min"] <= row["ratio"] <= row["ratio_max"], row
+    assert batchnorm.main(["--smoke"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("2 CPU replicas")
+    assert len(printed) == 1 + len(batchnorm.MODELS)

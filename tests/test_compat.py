@@ -454,3 +454,20 @@ def test_caller_module_names_the_module_of_the_calling_function() -> None:
 
     assert asks() == __name__
     assert _compat.caller_module(0) == __name__
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+def test_batch_norm_backward_parts_are_the_gradient_for_fixed_statistics_and_its_two_sums(weighted: bool) -> None:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3, 4, 2, dtype=torch.float64, generator=generator) * 2 + 1
+    grad = torch.randn(x.shape, dtype=torch.float64, generator=generator)
+    weight = torch.rand(3, dtype=torch.float64, generator=generator) + 0.5 if weighted else None
+    mean, variance = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64), torch.tensor([1.5, 0.7, 3.0]).double()
+    held, normalised_sum, plain_sum = _compat.batch_norm_backward_parts(grad, x, weight, mean, variance, 1e-3)
+    shape = (1, 3, 1, 1)
+    inverse_std = (variance + 1e-3).rsqrt()
+    scale = inverse_std if weight is None else weight * inverse_std
+    torch.testing.assert_close(held, grad * scale.view(shape), atol=1e-12, rtol=0)
+    normalised = (x - mean.view(shape)) * inverse_std.view(shape)
+    torch.testing.assert_close(normalised_sum, (grad * normalised).sum((0, 2, 3)), atol=1e-12, rtol=0)
+    torch.testing.assert_close(plain_sum, grad.sum((0, 2, 3)), atol=1e-12, rtol=0)

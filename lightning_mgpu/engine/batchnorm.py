@@ -8,11 +8,15 @@ BatchNorm layer's own forward, from a subclass's forward through ``super().forwa
 normalises, then drops and activates), or from a module's own code. No method of any module is replaced, so every
 layer's forward runs as written and only the normalisation inside it spans the whole batch.
 
-The replicas of one call exchange per-channel sums (the replicas are threads of one process, so the exchange is a
-hand-over of tensors within one autograd graph), and each normalises by the statistics of the whole batch; gradients
-flow through the exchanged sums as they flow through one device's batch statistics. Running statistics handed to the
-call are updated as torch's function updates them, so replica 0, which holds the module's own buffers, keeps them as
-one device would.
+The replicas of one call meet once per batch-norm call (they are threads of one process, so a meeting is a
+hand-over of tensors within one autograd graph), and the last to arrive does the work of every chunk while the
+others wait: the whole batch's mean, then its variance about that mean (two passes, as one device computes them),
+then each chunk normalised by torch's own batch-norm kernel with those statistics given, all chunks as one autograd
+node whose backward is one device's batch-norm gradient over the whole batch (torch's batch-norm backward for fixed
+statistics per chunk, corrected by the whole batch's sums). So gradients flow through the statistics as on one
+device, and a layer costs few calls into torch: on small layers each call, several microseconds of Python, costs more
+than the per-channel ops compute. Running statistics handed to the call are updated as torch's function updates them,
+so replica 0, which holds the module's own buffers, keeps them as one device would.
 
 A module compiled with ``fullgraph=True`` cannot leave its graph for the exchange; ``check_exchangeable`` names its
 BatchNorm layers before any replica runs.
@@ -20,10 +24,11 @@ BatchNorm layers before any replica runs.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from itertools import chain
-from typing import Any
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.nn.functional as F  # noqa: N812 - torch's own spelling
@@ -35,6 +40,7 @@ from lightning_mgpu._compat import BatchNorm
 from lightning_mgpu.errors import ConfigurationError
 
 _EMPTY = object()
+_T = TypeVar("_T")
 
 _BatchNormKey = tuple[str | None, int]
 """A batch-norm call of one replica: the layer whose tensors it got (``None`` for none), and its call count there."""
@@ -53,24 +59,28 @@ class ReplicaRendezvous:
         self._timeout = timeout
         self._condition = threading.Condition()
         self._values: dict[Hashable, list[Any]] = {}
+        self._combined: dict[Hashable, Any] = {}
         self._finished: set[int] = set()
         self._failed: BaseException | None = None
 
-    def all_gather(self, index: int, key: Hashable, value: Any, what: str) -> list[Any]:
-        """Give ``value`` as replica ``index``'s entry under ``key`` and return every replica's entry, in order.
+    def combine(self, index: int, key: Hashable, value: Any, what: str, combine: Callable[[list[Any]], _T]) -> _T:
+        """Give ``value`` as replica ``index``'s entry under ``key``; return ``combine(every replica's entry)``.
 
-        ``what`` describes the key for the errors: a replica that finished without contributing, or a timeout.
+        The last replica to arrive computes it, once, while the others wait. ``what`` describes the key for the
+        errors: a replica that finished without contributing, or a timeout.
         """
         with self._condition:
             values = self._values.setdefault(key, [_EMPTY] * self._parties)
             values[index] = value
+            if _EMPTY not in values:
+                self._combined[key] = combine(values)
             self._condition.notify_all()
             while True:
                 if self._failed is not None:
                     raise RendezvousAborted(f"replica {index} stopped waiting at {what}: another replica failed")
+                if key in self._combined:
+                    return self._combined[key]
                 missing = [other for other, entry in enumerate(values) if entry is _EMPTY]
-                if not missing:
-                    return list(values)
                 finished = [other for other in missing if other in self._finished]
                 if finished:
                     raise RuntimeError(
@@ -151,29 +161,15 @@ class WholeBatchNorm(TorchFunctionMode):
         count = self._per_layer.get(layer, 0) + 1
         self._per_layer[layer] = count
         key: _BatchNormKey = (layer, count)
-        what = _describe(key)
         x = call.input
         computed = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        reduced = [0, *range(2, x.dim())]
-        shape = [1, -1] + [1] * (x.dim() - 2)
-        rows = x.numel() // max(x.shape[1], 1)
-        sums = self.rendezvous.all_gather(self.index, (key, "sum"), (computed.sum(reduced), rows), what)
-        total = sum(rows for _, rows in sums)
-        if total <= 1:
-            # torch's own refusal, for the whole batch: one value per channel has no variance.
-            raise ValueError(f"Expected more than 1 value per channel when training, got input size {list(x.shape)}")
-        mean = sum(part.to(x.device) for part, _ in sums) / total
-        centred = computed - mean.reshape(shape)
-        squares = self.rendezvous.all_gather(self.index, (key, "squares"), centred.pow(2).sum(reduced), what)
-        variance = sum(part.to(x.device) for part in squares) / total
-        output = centred * torch.rsqrt(variance + call.eps).reshape(shape)
-        if call.weight is not None:
-            output = output * call.weight.reshape(shape)
-        if call.bias is not None:
-            output = output + call.bias.reshape(shape)
-        if call.running_mean is not None or call.running_var is not None:
-            _update_running_statistics(call, mean.detach(), variance.detach() * (total / (total - 1)))
-        return output.to(x.dtype)
+        # The last replica to arrive does the work of every chunk, while the others wait: the whole batch's mean,
+        # then its variance about that mean (two passes, as one device computes them), then each chunk's
+        # normalisation, all chunks as one autograd node.
+        chunk = _Chunk(call, computed, _current_stream(x))
+        outputs = self.rendezvous.combine(self.index, key, chunk, _describe(key), _normalise_every_chunk)
+        output = outputs[self.index]
+        return output if output.dtype == x.dtype else output.to(x.dtype)
 
     def _layer_of(self, *tensors: torch.Tensor | None) -> str | None:
         """The path of the module that owns the first of ``tensors`` it owns; ``None`` when it owns none."""
@@ -233,6 +229,198 @@ class _BatchNormCall:
         if not arguments["training"] or not isinstance(x, torch.Tensor) or x.dim() < 2:
             return None
         return cls(arguments)
+
+
+class _Chunk(NamedTuple):
+    """What one replica brings to a batch-norm call's exchange."""
+
+    call: _BatchNormCall
+    input: torch.Tensor
+    """The call's input, in float32 where it came in half precision."""
+    stream: Any
+    """The CUDA stream the replica's thread runs on, for its chunk's ops; ``None`` off CUDA."""
+
+
+def _normalise_every_chunk(chunks: list[_Chunk]) -> list[torch.Tensor]:
+    """Every chunk normalised by the whole batch's mean and variance: one autograd node for all of them.
+
+    Raises:
+        ValueError: torch's own refusal, for the whole batch: one value per channel has no variance.
+    """
+    inputs = [chunk.input for chunk in chunks]
+    total = sum(x.numel() // max(x.shape[1], 1) for x in inputs)
+    if total <= 1:
+        shape = [sum(x.shape[0] for x in inputs), *inputs[0].shape[1:]]
+        raise ValueError(f"Expected more than 1 value per channel when training, got input size {shape}")
+    with torch.no_grad():
+        mean, variance = _whole_batch_statistics(inputs, total, [chunk.stream for chunk in chunks])
+    calls = [chunk.call for chunk in chunks]
+    dtype = inputs[0].dtype
+    weights = [None if call.weight is None else _as(call.weight, dtype) for call in calls]
+    biases = [None if call.bias is None else _as(call.bias, dtype) for call in calls]
+    return list(_WholeBatchNorm.apply(chunks, (mean, variance, total), *inputs, *weights, *biases))
+
+
+def _whole_batch_statistics(
+    inputs: Sequence[torch.Tensor], total: int, streams: Sequence[Any] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole batch's per-channel mean and biased variance in differentiable ops: two passes, as one device.
+
+    ``streams``: each chunk's CUDA stream (``None`` entries off CUDA), where its reductions run.
+    """
+    reduced = [0, *range(2, inputs[0].dim())]
+    device = inputs[0].device
+    chunk_streams = streams if streams is not None else [None] * len(inputs)
+    sums = []
+    for x, stream in zip(inputs, chunk_streams, strict=True):
+        with _on_stream(stream):
+            sums.append(_to(x.sum(reduced), device))
+    mean: torch.Tensor = sum(sums) / total  # type: ignore[assignment]
+    squares = []
+    for x, stream in zip(inputs, chunk_streams, strict=True):
+        with _on_stream(stream):
+            squares.append(_to((x - _to(mean, x.device).view(_channels(x))).pow(2).sum(reduced), device))
+    return mean, sum(squares) / total  # type: ignore[return-value]
+
+
+class _WholeBatchNorm(torch.autograd.Function):
+    """Every chunk of one batch-norm call, normalised by the whole batch's statistics, as one autograd node.
+
+    The forward is torch's own batch-norm kernel given the whole batch's mean and variance, run for every chunk in
+    one thread; the backward is one device's batch-norm gradient over the whole batch, each chunk's share on its own
+    device. Inputs: every chunk's input, then every replica's
+    weight and bias (``None`` without), so each replica's parameters get their chunk's gradient.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        chunks: list[_Chunk],
+        statistics: tuple[torch.Tensor, torch.Tensor, int],
+        *tensors: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, ...]:
+        count = len(chunks)
+        inputs = [chunk.input for chunk in chunks]  # the same tensors as tensors[:count], which autograd tracks
+        weights, biases = tensors[count : 2 * count], tensors[2 * count :]
+        mean, variance, total = statistics
+        eps = chunks[0].call.eps
+        unbiased = variance * (total / (total - 1))
+        outputs = []
+        for chunk, x, weight, bias in zip(chunks, inputs, weights, biases, strict=True):
+            with _on_stream(chunk.stream):
+                here = x.device
+                mean_here, variance_here = _to(mean, here), _to(variance, here)
+                # torch's own kernel with the whole batch's statistics given: one call per chunk.
+                outputs.append(torch.batch_norm(x, weight, bias, mean_here, variance_here, False, 0.0, eps, True))
+                call = chunk.call
+                if call.running_mean is not None or call.running_var is not None:
+                    _update_running_statistics(call, mean_here, _to(unbiased, here))
+        ctx.eps, ctx.count, ctx.total = eps, count, total
+        ctx.weighted, ctx.biased = [w is not None for w in weights], [b is not None for b in biases]
+        ctx.save_for_backward(*inputs, *weights, mean, variance)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        count = ctx.count
+        saved = ctx.saved_tensors
+        inputs, weights = saved[:count], saved[count : 2 * count]
+        mean, variance = saved[2 * count], saved[2 * count + 1]
+        total = ctx.total
+        wanted = ctx.needs_input_grad[2:]
+        if not torch.is_grad_enabled():
+            return (None, None, *_fused_backward(ctx, grads, inputs, weights, mean, variance, wanted))
+        # A second derivative: the statistics as functions of every chunk's input, in differentiable ops.
+        mean, variance = _whole_batch_statistics(inputs, total)
+        inverse_std = torch.rsqrt(variance + ctx.eps)
+        shape = _channels(inputs[0])
+        reduced = [0, *range(2, inputs[0].dim())]
+        root = mean.device
+        grad_sums = [grad.sum(reduced) for grad in grads]
+        centred_sums = [
+            (grad * (x - mean.to(x.device).view(shape))).sum(reduced) for grad, x in zip(grads, inputs, strict=True)
+        ]
+        mean_grad = sum(part.to(root) for part in grad_sums) / total
+        mean_centred = sum(part.to(root) for part in centred_sums) * inverse_std.pow(2) / total
+        scale = inverse_std if weights[0] is None else weights[0] * inverse_std
+        grad_inputs, grad_weights, grad_biases = [], [], []
+        for index, (grad, x) in enumerate(zip(grads, inputs, strict=True)):
+            here = x.device
+            centred = x - mean.to(here).view(shape)
+            grad_x = (grad - mean_grad.to(here).view(shape) - centred * mean_centred.to(here).view(shape)) * scale.to(
+                here
+            ).view(shape)
+            grad_inputs.append(grad_x if wanted[index] else None)
+            grad_weights.append(
+                centred_sums[index] * inverse_std.to(here) if ctx.weighted[index] and wanted[count + index] else None
+            )
+            grad_biases.append(grad_sums[index] if ctx.biased[index] and wanted[2 * count + index] else None)
+        return (None, None, *grad_inputs, *grad_weights, *grad_biases)
+
+
+def _fused_backward(
+    ctx: Any,
+    grads: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    weights: Sequence[torch.Tensor | None],
+    mean: torch.Tensor,
+    variance: torch.Tensor,
+    wanted: Sequence[bool],
+) -> list[torch.Tensor | None]:
+    """``_WholeBatchNorm``'s gradients in few calls into torch: one device's batch-norm gradient over every chunk.
+
+    torch's batch-norm backward with the whole batch's statistics given gives, per chunk in one call, the gradient
+    with the statistics held fixed and the chunk's sums of the gradient and of the gradient times the normalised
+    input; the whole batch's sums then correct each chunk's input gradient for the statistics' dependence on it.
+    """
+    count, total = len(inputs), ctx.total
+    root = mean.device
+    shape = _channels(inputs[0])
+    parts = [
+        _compat.batch_norm_backward_parts(grad, x, weight, _to(mean, x.device), _to(variance, x.device), ctx.eps)
+        for grad, x, weight in zip(grads, inputs, weights, strict=True)
+    ]
+    inverse_std = torch.rsqrt(variance + ctx.eps)
+    scale = inverse_std if weights[0] is None else weights[0] * inverse_std
+    mean_grad = sum(_to(grad_bias, root) for _, _, grad_bias in parts) / total
+    mean_normalised_grad = sum(_to(grad_weight, root) for _, grad_weight, _ in parts) / total
+    slope = -scale * inverse_std * mean_normalised_grad
+    offset = -scale * mean_grad
+    grad_inputs, grad_weights, grad_biases = [], [], []
+    for index, (x, (held, grad_weight, grad_bias)) in enumerate(zip(inputs, parts, strict=True)):
+        here = x.device
+        centred = x - _to(mean, here).view(shape)
+        grad_inputs.append(
+            torch.addcmul(held, centred, _to(slope, here).view(shape)).add_(_to(offset, here).view(shape))
+            if wanted[index]
+            else None
+        )
+        grad_weights.append(grad_weight if ctx.weighted[index] and wanted[count + index] else None)
+        grad_biases.append(grad_bias if ctx.biased[index] and wanted[2 * count + index] else None)
+    return [*grad_inputs, *grad_weights, *grad_biases]
+
+
+def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``, without a call into torch where it is there already."""
+    return tensor if tensor.device == device else tensor.to(device)
+
+
+def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` in ``dtype``, without a call into torch where it is in it already."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+
+def _on_stream(stream: Any) -> Any:
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def _current_stream(x: torch.Tensor) -> Any:
+    return torch.cuda.current_stream(x.device) if x.is_cuda else None
+
+
+def _channels(x: torch.Tensor) -> list[int]:
+    """The shape that broadcasts a per-channel vector over ``x`` (channels in dim 1)."""
+    return [1, -1] + [1] * (x.dim() - 2)
 
 
 @torch.no_grad()
