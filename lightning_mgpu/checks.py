@@ -319,10 +319,16 @@ def _kind(value: Any) -> str:
     if isinstance(value, nn.Parameter):
         return "parameter"
     if isinstance(value, nn.Module):
-        return "module"
+        # A module with neither parameters nor buffers (a function wrapped as a module, as Hugging Face's kernel
+        # hub attaches them) has nothing to train, save, move or replicate.
+        return "module" if _has_state(value) else ""
     if isinstance(value, torch.Tensor):
         return "tensor"
     return ""
+
+
+def _has_state(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None or next(module.buffers(), None) is not None
 
 
 def _leaves(value: Any, depth: int = 0) -> Iterator[Any]:

@@ -507,6 +507,38 @@ def _found_where(module: nn.Module) -> set[str]:
     return {finding.where for finding in check_model(module)}
 
 
+class _Rotate(nn.Module):
+    """A function wrapped as a module, with neither parameters nor buffers."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([-x[:, 1:2], x[:, 0:1], x[:, 2:]], dim=1)
+
+
+class _FunctionsInAPlainDict(Portable):
+    """Keeps function modules in a plain dict beside its layers, as Hugging Face's kernel hub attaches them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.__dict__.setdefault("_kernel_funcs", {})["rotate"] = _Rotate()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(self._kernel_funcs["rotate"](x))
+
+
+def test_modules_without_state_in_a_plain_dict_pass_and_train_like_one_device() -> None:
+    model = _FunctionsInAPlainDict()
+    assert _found(model) == []
+    one_device = _FunctionsInAPlainDict()
+    trainer(max_epochs=2).fit(one_device, loader(regression_data(rows=12), 6))
+    for _ in range(2):
+        split = _FunctionsInAPlainDict()
+        trainer(max_epochs=2, devices=3, strategy="mgpu_dp").fit(split, loader(regression_data(rows=12), 6))
+        for name, tensor in one_device.state_dict().items():
+            torch.testing.assert_close(split.state_dict()[name], tensor, atol=1e-6, rtol=0)
+    model._kernel_funcs["scaled"] = nn.Sequential(_Rotate(), nn.Linear(4, 4))
+    assert _found(model) == [("error", "plain-container", "_kernel_funcs")], "a module with parameters is still found"
+
+
 @pytest.mark.libraries
 def test_a_model_librarys_own_plain_attributes_pass_and_a_users_subclass_is_judged_on_its_additions() -> None:
     from torchvision.models.detection.anchor_utils import AnchorGenerator
