@@ -47,11 +47,11 @@ PACKAGE_MARK = f"{os.sep}lightning_mgpu{os.sep}"
 
 
 @contextlib.contextmanager
-def labelled() -> Iterator[None]:
-    """Wrap each function of ``LABELS`` in its ``record_function`` label while the block runs."""
+def labelled(labels: tuple[tuple[str, str, str], ...] = LABELS) -> Iterator[None]:
+    """Wrap each function of ``labels`` (default ``LABELS``) in its ``record_function`` label while the block runs."""
     saved: list[tuple[Any, str, Any]] = []
     try:
-        for module_name, path, label in LABELS:
+        for module_name, path, label in labels:
             owner: Any = importlib.import_module(module_name)
             *parents, name = path.split(".")
             for parent in parents:
@@ -95,7 +95,17 @@ class _Window(L.Callback):
             self.stop()
 
 
-def _row(name: str, seconds: float, calls: int, wall: float, steps: int) -> dict[str, Any]:
+def every_thread_profiler() -> tuple[torch.profiler.profile, Any]:
+    """A CPU ``torch.profiler`` that records every thread where torch offers it; the config is ``None`` elsewhere."""
+    try:
+        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except (AttributeError, TypeError):  # a torch without the option records the calling thread only
+        config = None
+    return torch.profiler.profile(activities=[ProfilerActivity.CPU], experimental_config=config), config
+
+
+def profile_row(name: str, seconds: float, calls: int, wall: float, steps: int) -> dict[str, Any]:
+    """One profile entry per step: calls, microseconds, and share of the profiled wall time."""
     return {"name": name, "calls_per_step": calls / steps, "us_per_step": seconds / steps * 1e6,
             "share_of_step": seconds / wall}  # fmt: skip
 
@@ -106,11 +116,7 @@ def profile_mgpu_dp(spec: ModelSpec, devices: list[torch.device], out: Path, tra
     With ``trace``, also writes ``out/profile-<model>.trace.json`` (for ``chrome://tracing`` or Perfetto).
     """
     quiet_lightning()
-    try:
-        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
-    except (AttributeError, TypeError):  # a torch without the option records the calling thread only
-        config = None
-    profiler = torch.profiler.profile(activities=[ProfilerActivity.CPU], experimental_config=config)
+    profiler, config = every_thread_profiler()
     timer = StepTimer(spec.warmup, spec.steps)
     steps, batch = spec.warmup + spec.steps, spec.batch * len(devices)
     window = _Window(timer, profiler.start, profiler.stop)
@@ -128,7 +134,7 @@ def profile_mgpu_dp(spec: ModelSpec, devices: list[torch.device], out: Path, tra
         "steps": spec.steps,
         "replica_threads_profiled": config is not None,
         "labels": [
-            _row(
+            profile_row(
                 label,
                 events[label].cpu_time_total * 1e-6 if label in events else 0.0,
                 events[label].count if label in events else 0,
@@ -137,7 +143,7 @@ def profile_mgpu_dp(spec: ModelSpec, devices: list[torch.device], out: Path, tra
             )
             for _, _, label in LABELS
         ],  # fmt: skip
-        "self_time": [_row(e.key, e.self_cpu_time_total * 1e-6, e.count, wall, spec.steps) for e in by_self],
+        "self_time": [profile_row(e.key, e.self_cpu_time_total * 1e-6, e.count, wall, spec.steps) for e in by_self],
     }
 
 
@@ -163,8 +169,8 @@ class CProfileSteps(_Window):
             "steps": steps,
             "package_self_share": sum(v[2] for _, v in package) / wall,
             "called_from_package_share": sum(seconds for _, seconds, _ in called) / wall,
-            "package_self_time": [_row(_name(f), v[2], v[1], wall, steps) for f, v in package[:top]],
-            "called_from_package": [_row(_name(f), s, c, wall, steps) for f, s, c in called[:top]],
+            "package_self_time": [profile_row(_name(f), v[2], v[1], wall, steps) for f, v in package[:top]],
+            "called_from_package": [profile_row(_name(f), s, c, wall, steps) for f, s, c in called[:top]],
         }
 
 

@@ -1,8 +1,8 @@
 """Entry point: ``python -m benchmarks.run [--quick|--smoke] [--device cpu|cuda] [--out DIR]``.
 
 Runs every benchmark of ``benchmarks/README.md`` (the multi-process jobs, the single-process variants, the engine
-overhead cases, the profiles) and writes ``results.json`` and ``results.md`` under ``--out``. Without ``--quick`` or
-``--smoke`` it runs the full mode.
+overhead cases, exact BatchNorm, the profiles) and writes ``results.json`` and ``results.md`` under ``--out``.
+Without ``--quick`` or ``--smoke`` it runs the full mode.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import ddp_suite, local_suite, overhead, report
+from benchmarks import batchnorm, ddp_suite, local_suite, overhead, report
 from benchmarks.models import intra_op_threads, mode_settings
 
 ROOT = Path(os.path.abspath(__file__)).parents[1]
@@ -73,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     local = local_suite.run_suite(mode, args.device, _say)
     _say("engine overhead (CPU proxy, 1 thread):")
     overhead_cases = overhead.measure(mode.overhead_loops, mode.overhead_repeats, warmup=min(20, mode.overhead_loops))
+    _say("exact BatchNorm under mgpu_dp (CPU proxy, 2 replicas, 1 thread):")
+    batchnorm_times = batchnorm.measure(mode.name)
+    batchnorm_profile = batchnorm.profile(mode.name, out / "profile-batchnorm.trace.json" if args.traces else None)
     _say("MGPUMixin's wrapper and the mgpu_dp profiles:")
     from benchmarks.profiling import profile_mgpu_dp
 
@@ -96,13 +99,15 @@ def main(argv: list[str] | None = None) -> int:
             "local_repeats": mode.local_repeats, "models": [dataclasses.asdict(spec) for spec in mode.models],
             "command": " ".join([Path(sys.executable).name, "-m", "benchmarks.run", *(argv or sys.argv[1:])]),
         },
-        "rows": rows + report.overhead_rows(overhead_cases),
+        "rows": rows + report.overhead_rows(overhead_cases) + report.batchnorm_rows(batchnorm_times),
         "phases": report.phase_table(local),
         "overhead": overhead.summary(overhead_cases),
+        "batchnorm": batchnorm.summary(batchnorm_times),
         "mixin_wrapper_us": mixin_us,
         "profile_dp": profiles,
+        "profile_batchnorm": batchnorm_profile,
         "profile_ddp": ddp.get("profiles", {}),
-        "raw": {"ddp": ddp, "local": local, "overhead": overhead_cases},
+        "raw": {"ddp": ddp, "local": local, "overhead": overhead_cases, "batchnorm": batchnorm_times},
     }  # fmt: skip
     report.write(results, out)
     _say((out / "results.md").read_text())

@@ -610,3 +610,14 @@ def batch_norm_backward_parts(
         grad, x, weight, mean, variance, None, None, False, eps, [True, True, True]
     )
     return parts[0], parts[1], parts[2]
+
+
+def move_averages_(averages: list[torch.Tensor], values: list[torch.Tensor], factor: float) -> None:
+    """``average.mul_(1 - factor).add_(value, alpha=factor)`` for every pair, in two calls into torch.
+
+    ``torch._foreach_mul_`` and ``torch._foreach_add_`` update a list of tensors per call (one kernel per device
+    where they live on one), as torch's own optimizers use them; they exist in every torch this package supports.
+    ``tests/test_compat.py`` checks them against the one-tensor ops.
+    """
+    torch._foreach_mul_(averages, 1 - factor)
+    torch._foreach_add_(averages, values, alpha=factor)

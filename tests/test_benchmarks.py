@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -75,10 +76,26 @@ def test_smoke_mode_writes_every_row(tmp_path: Path) -> None:
         (depth, replicas) for depth in (1, 16) for replicas in (1, 2, 4)
     }
 
+    for case in results["raw"]["overhead"]:
+        floor = case["floor_us"]
+        assert all(value == 0.0 for value in floor) if case["replicas"] == 1 else all(value > 0 for value in floor)
+        assert case["above_floor_us"] == [cost - trip for cost, trip in zip(case["overhead_us"], floor, strict=True)]
+
+    from benchmarks import batchnorm
+
+    batchnorm_rows = {f"batchnorm/{name}/{model}" for name in ("sync_on_vs_off", "per_layer_above_handoff")
+                      for model in batchnorm.MODELS}  # fmt: skip
+    assert batchnorm_rows <= set(rows), sorted(batchnorm_rows - set(rows))
+    assert rows["batchnorm/sync_on_vs_off/conv16_bn16"]["target"] == "<= 1.15"
+    assert {entry["model"] for entry in results["batchnorm"]} == set(batchnorm.MODELS)
+    assert results["profile_batchnorm"]["layers"] == 16
+
     table = (tmp_path / "results.md").read_text()
     assert "| id | what | median | min | max | target | met |" in table
-    assert all(f"| {row_id} |" in table for row_id in expected | overhead)
+    assert all(f"| {row_id} |" in table for row_id in expected | overhead | batchnorm_rows)
     assert "## Engine overhead per call" in table
+    assert "## Exact BatchNorm under mgpu_dp" in table
+    assert "mgpu::bn_meeting" in table
 
 
 def test_the_phase_timer_times_every_phase_from_outside_and_puts_the_engine_back() -> None:
@@ -116,7 +133,10 @@ def test_the_batchnorm_benchmark_measures_every_model_and_variant(capsys: pytest
     from benchmarks import batchnorm
 
     result = batchnorm.measure("smoke")
-    assert result["layers"] == {"conv8_bn1": 1, "conv8_bn8": 8, "conv16_bn1": 1, "conv16_bn16": 16, "resnet4": 8}
+    layers = {"conv8_bn1": 1, "conv8_bn8": 8, "conv16_bn1": 1, "conv16_bn16": 16, "resnet4": 8}
+    if importlib.util.find_spec("timm") is not None:
+        layers["timm_resnet4"] = 8  # four blocks, each one timm BatchNormAct2d and one BatchNorm2d
+    assert result["layers"] == layers
     rows = {row["model"]: row for row in batchnorm.summary(result)}
     assert set(rows) == set(batchnorm.MODELS)
     for row in rows.values():
@@ -126,3 +146,38 @@ def test_the_batchnorm_benchmark_measures_every_model_and_variant(capsys: pytest
     printed = capsys.readouterr().out.splitlines()
     assert printed[0].startswith("2 CPU replicas")
     assert len(printed) == 1 + len(batchnorm.MODELS)
+
+
+def test_the_batchnorm_profile_labels_every_part_of_the_exchange_in_the_replica_threads(tmp_path: Path) -> None:
+    from benchmarks import batchnorm
+
+    trace = tmp_path / "trace" / "batchnorm.json"
+    profiled = batchnorm.profile("smoke", trace)
+    calls = {entry["name"]: entry["calls_per_step"] for entry in profiled["labels"]}
+    layers = profiled["layers"]
+    assert layers == 16
+    assert calls["mgpu::bn_whole_batch"] == calls["mgpu::bn_statistics"] == calls["mgpu::bn_backward"] == layers
+    if profiled["replica_threads_profiled"]:
+        assert calls["mgpu::bn_call"] == calls["mgpu::bn_meeting"] == 2 * layers, "once per layer in each replica"
+        assert calls["mgpu::replica_thread"] == 2
+        assert calls["mgpu::function_mode"] > calls["mgpu::bn_call"], "every torch call of a replica goes through it"
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(event.get("name") == "mgpu::bn_backward" for event in events)
+    from lightning_mgpu.engine import batchnorm as engine_batchnorm
+
+    assert not hasattr(engine_batchnorm._fused_backward, "__wrapped__"), "the labels come off after the profile"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the script runs for real")
+def test_the_gpu_check_runs_each_part_and_fails_without_a_gpu(tmp_path: Path) -> None:
+    """Without CUDA the CUDA tests are all skipped and the CUDA benchmarks refuse: the script says so by its status."""
+    env = clean_env(OUT=str(tmp_path))
+    command = ["bash", "benchmarks/gpu_check.sh"]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    assert (tmp_path / "machine.txt").read_text().startswith(f"python {sys.version.split()[0]}, torch ")
+    tests = (tmp_path / "cuda-tests.log").read_text()
+    assert "skipped" in tests and "failed" not in tests and "error" not in tests.lower(), tests[-2000:]
+    assert "test_cuda.py" in tests, "the skip reasons are listed"
+    assert "torch sees no CUDA device here" in (tmp_path / "benchmarks.log").read_text()

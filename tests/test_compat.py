@@ -471,3 +471,16 @@ def test_batch_norm_backward_parts_are_the_gradient_for_fixed_statistics_and_its
     normalised = (x - mean.view(shape)) * inverse_std.view(shape)
     torch.testing.assert_close(normalised_sum, (grad * normalised).sum((0, 2, 3)), atol=1e-12, rtol=0)
     torch.testing.assert_close(plain_sum, grad.sum((0, 2, 3)), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_move_averages_updates_every_tensor_as_the_one_tensor_ops_do(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(0)
+    averages = [torch.randn(3, dtype=dtype, generator=generator), torch.rand(5, dtype=dtype, generator=generator)]
+    values = [torch.randn(3, dtype=dtype, generator=generator), torch.rand(5, dtype=dtype, generator=generator)]
+    expected = [average.clone().mul_(1 - 0.1).add_(value, alpha=0.1) for average, value in zip(averages, values)]
+    kept = [average for average in averages]
+    _compat.move_averages_(averages, values, 0.1)
+    assert all(after is before for after, before in zip(averages, kept)), "updated in place"
+    for after, wanted in zip(averages, expected):
+        torch.testing.assert_close(after, wanted, atol=0, rtol=0)

@@ -27,6 +27,7 @@ from models import Regressor, trainer
 from processes import clean_env, free_port
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from zoo import DP_BATCH, ZOO, assert_same_training, train
 
 from lightning_mgpu import MGPUDPStrategy
 
@@ -207,6 +208,33 @@ def test_replica_threads_run_under_the_precision_plugins_autocast(precision: str
     trainer(accelerator="gpu", devices="auto", strategy=strategy, precision=precision, max_steps=2).fit(model, _data())
     assert sorted(entry[0] for entry in seen) == [0, 0, 1, 1], "2 steps of 2 replicas"
     assert {entry[1:] for entry in seen} == {(True, True, dtype, dtype)}
+
+
+# --- the zoo on CUDA: every stock module and training pattern under mgpu_dp ----------------------------------------
+
+
+def _cuda_zoo_replicas() -> list[Any]:
+    """Two replicas on one GPU, and where there are two GPUs, one replica on each."""
+    return [
+        pytest.param([CUDA0, CUDA0], id="2-on-cuda0", marks=needs_one_gpu),
+        pytest.param([CUDA0, CUDA1], id="cuda0+cuda1", marks=needs_two_gpus),
+    ]
+
+
+@pytest.mark.parametrize("replicas", _cuda_zoo_replicas())
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_the_zoo_trains_on_cuda_replicas_like_one_gpu(
+    name: str, replicas: list[torch.device], exact_float32: None
+) -> None:
+    """The CPU suite's zoo of stock modules and training patterns, its BatchNorm entries included, on CUDA.
+
+    Compared to 1e-5, as the other CUDA tests here: the GPU's kernels for a chunk and for the whole batch may add in
+    another order.
+    """
+    expected = train(ZOO[name], DP_BATCH, accelerator="gpu", devices=1)
+    strategy = MGPUDPStrategy(parallel_devices=replicas)
+    got = train(ZOO[name], DP_BATCH, accelerator="gpu", devices="auto", strategy=strategy)
+    assert_same_training(got, expected, atol=1e-5)
 
 
 # --- mgpu_ddp: the device is set before NCCL starts -----------------------------------------------------------------

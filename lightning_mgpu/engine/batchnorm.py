@@ -25,6 +25,8 @@ BatchNorm layers before any replica runs.
 from __future__ import annotations
 
 import contextlib
+import functools
+import operator
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from itertools import chain
@@ -275,12 +277,17 @@ def _whole_batch_statistics(
     for x, stream in zip(inputs, chunk_streams, strict=True):
         with _on_stream(stream):
             sums.append(_to(x.sum(reduced), device))
-    mean: torch.Tensor = sum(sums) / total  # type: ignore[assignment]
+    mean = _total(sums) / total
     squares = []
     for x, stream in zip(inputs, chunk_streams, strict=True):
         with _on_stream(stream):
             squares.append(_to((x - _to(mean, x.device).view(_channels(x))).pow(2).sum(reduced), device))
-    return mean, sum(squares) / total  # type: ignore[return-value]
+    return mean, _total(squares) / total
+
+
+def _total(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The sum of ``parts`` in one call into torch per addition (``sum`` would first add them to 0)."""
+    return functools.reduce(operator.add, parts)
 
 
 class _WholeBatchNorm(torch.autograd.Function):
@@ -304,17 +311,16 @@ class _WholeBatchNorm(torch.autograd.Function):
         weights, biases = tensors[count : 2 * count], tensors[2 * count :]
         mean, variance, total = statistics
         eps = chunks[0].call.eps
-        unbiased = variance * (total / (total - 1))
         outputs = []
         for chunk, x, weight, bias in zip(chunks, inputs, weights, biases, strict=True):
             with _on_stream(chunk.stream):
                 here = x.device
-                mean_here, variance_here = _to(mean, here), _to(variance, here)
                 # torch's own kernel with the whole batch's statistics given: one call per chunk.
-                outputs.append(torch.batch_norm(x, weight, bias, mean_here, variance_here, False, 0.0, eps, True))
-                call = chunk.call
-                if call.running_mean is not None or call.running_var is not None:
-                    _update_running_statistics(call, mean_here, _to(unbiased, here))
+                outputs.append(
+                    torch.batch_norm(x, weight, bias, _to(mean, here), _to(variance, here), False, 0.0, eps, True)
+                )
+        if any(chunk.call.running_mean is not None or chunk.call.running_var is not None for chunk in chunks):
+            _update_running_statistics(chunks, mean, variance, total)
         ctx.eps, ctx.count, ctx.total = eps, count, total
         ctx.weighted, ctx.biased = [w is not None for w in weights], [b is not None for b in biases]
         ctx.save_for_backward(*inputs, *weights, mean, variance)
@@ -381,11 +387,12 @@ def _fused_backward(
         for grad, x, weight in zip(grads, inputs, weights, strict=True)
     ]
     inverse_std = torch.rsqrt(variance + ctx.eps)
+    # One device's input gradient is scale * (grad - mean(grad) - x_hat * mean(grad * x_hat)), with scale the weight
+    # times inverse_std. `held` is scale * grad; the rest is linear in x, a slope and an offset per channel.
     scale = inverse_std if weights[0] is None else weights[0] * inverse_std
-    mean_grad = sum(_to(grad_bias, root) for _, _, grad_bias in parts) / total
-    mean_normalised_grad = sum(_to(grad_weight, root) for _, grad_weight, _ in parts) / total
-    slope = -scale * inverse_std * mean_normalised_grad
-    offset = -scale * mean_grad
+    per_row = scale / -total
+    slope = per_row * inverse_std * _total([_to(grad_weight, root) for _, grad_weight, _ in parts])
+    offset = per_row * _total([_to(grad_bias, root) for _, _, grad_bias in parts])
     grad_inputs, grad_weights, grad_biases = [], [], []
     for index, (x, (held, grad_weight, grad_bias)) in enumerate(zip(inputs, parts, strict=True)):
         here = x.device
@@ -424,12 +431,28 @@ def _channels(x: torch.Tensor) -> list[int]:
 
 
 @torch.no_grad()
-def _update_running_statistics(call: _BatchNormCall, mean: torch.Tensor, unbiased_variance: torch.Tensor) -> None:
-    factor = 0.0 if call.momentum is None else call.momentum
-    if call.running_mean is not None:
-        call.running_mean.mul_(1 - factor).add_(mean.to(call.running_mean.dtype), alpha=factor)
-    if call.running_var is not None:
-        call.running_var.mul_(1 - factor).add_(unbiased_variance.to(call.running_var.dtype), alpha=factor)
+def _update_running_statistics(
+    chunks: Sequence[_Chunk], mean: torch.Tensor, variance: torch.Tensor, total: int
+) -> None:
+    """Every chunk's running statistics, as torch's batch norm updates them, in few calls into torch.
+
+    The chunks that share a stream (every chunk off CUDA) and a momentum are updated together, on that stream.
+    """
+    groups: dict[tuple[int, float], list[_Chunk]] = {}
+    for chunk in chunks:
+        factor = 0.0 if chunk.call.momentum is None else chunk.call.momentum
+        groups.setdefault((id(chunk.stream), factor), []).append(chunk)
+    unbiased = variance * (total / (total - 1))
+    for (_, factor), group in groups.items():
+        with _on_stream(group[0].stream):
+            running, new = [], []
+            for call in (chunk.call for chunk in group):
+                for tensor, value in ((call.running_mean, mean), (call.running_var, unbiased)):
+                    if tensor is not None:
+                        running.append(tensor)
+                        new.append(_as(_to(value, tensor.device), tensor.dtype))
+            if running:
+                _compat.move_averages_(running, new, factor)
 
 
 def _describe(key: _BatchNormKey) -> str:
