@@ -23,7 +23,7 @@ BatchNorm layer per step (the difference over the layers), its forward's share, 
 ``profile`` runs ``torch.profiler`` over steps of ``sync_on`` on the 16-layer model, the replica threads included,
 with labels on the exchange's parts (put on for the profiled steps only): where a step goes between the function
 mode's dispatch of every torch call, the meetings (waiting included), the whole batch's statistics and
-normalisation, and the backward. ``--trace DIR`` also writes it as a Chrome trace.
+normalisation, and the backward. ``--trace FILE`` also writes it as a Chrome trace.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F  # noqa: N812 - torch's own spelling
 from torch import nn
 
 from lightning_mgpu.engine import MGPUDataParallel
@@ -178,16 +179,10 @@ class _LayerWork:
         layer = self.layer
         chunks = []
         for chunk in self.chunks:
-            arguments = {
-                "input": chunk,
-                "running_mean": layer.running_mean,
-                "running_var": layer.running_var,
-                "weight": layer.weight,
-                "bias": layer.bias,
-                "momentum": layer.momentum,
-                "eps": layer.eps,
-            }
-            chunks.append(exchange._Chunk(exchange._BatchNormCall(arguments), chunk, None))
+            arguments = (chunk, layer.running_mean, layer.running_var, layer.weight, layer.bias, True, 0.1, layer.eps)
+            call = exchange._BatchNormCall.parse(F.batch_norm, arguments, {})
+            assert call is not None, "a batch-norm call in training mode"
+            chunks.append(exchange._Chunk(call, chunk, None))
         torch.autograd.backward([output.sum() for output in exchange._normalise_every_chunk(chunks)])
 
 
@@ -299,7 +294,7 @@ def profile(mode: str, trace: Path | None = None) -> dict[str, Any]:
     ``waiting_us_per_step`` is the meetings' time less the whole-batch work done inside them: the replicas' waits
     for each other (and for the GIL). With ``trace``, the profile is also written there as a Chrome trace.
     """
-    from benchmarks.profiling import every_thread_profiler, labelled, profile_row
+    from benchmarks.profiling import every_thread_profiler, label_and_self_rows, labelled
 
     loops, _, warmup = _SETTINGS[mode]
     threads = torch.get_num_threads()
@@ -321,14 +316,8 @@ def profile(mode: str, trace: Path | None = None) -> dict[str, Any]:
     if trace is not None:
         trace.parent.mkdir(parents=True, exist_ok=True)
         profiler.export_chrome_trace(str(trace))
-    events = {event.key: event for event in profiler.key_averages()}
-    labels = [
-        profile_row(label, events[label].cpu_time_total * 1e-6 if label in events else 0.0,
-                    events[label].count if label in events else 0, wall, loops)
-        for _, _, label in PROFILE_LABELS
-    ]  # fmt: skip
-    by_label = {entry["name"]: entry for entry in labels}
-    by_self = sorted(events.values(), key=lambda event: event.self_cpu_time_total, reverse=True)[:12]
+    rows = label_and_self_rows(profiler, PROFILE_LABELS, wall, loops)
+    by_label = {entry["name"]: entry for entry in rows["labels"]}
     return {
         "model": PROFILED,
         "layers": case.layers,
@@ -337,8 +326,7 @@ def profile(mode: str, trace: Path | None = None) -> dict[str, Any]:
         "replica_threads_profiled": config is not None,
         "waiting_us_per_step": by_label["mgpu::bn_meeting"]["us_per_step"]
         - by_label["mgpu::bn_whole_batch"]["us_per_step"],
-        "labels": labels,
-        "self_time": [profile_row(e.key, e.self_cpu_time_total * 1e-6, e.count, wall, loops) for e in by_self],
+        **rows,
     }
 
 

@@ -126,24 +126,33 @@ def profile_mgpu_dp(spec: ModelSpec, devices: list[torch.device], out: Path, tra
         trainer.fit(BenchModule(spec), DataLoader(dataset(spec, batch * steps), batch_size=batch, shuffle=False))
     if trace:
         profiler.export_chrome_trace(str(out / f"profile-{spec.name}.trace.json"))
-    events = {event.key: event for event in profiler.key_averages()}
     wall = sum(timer.durations())
-    by_self = sorted(events.values(), key=lambda event: event.self_cpu_time_total, reverse=True)[:12]
     return {
         "profiled_step_ms": wall / spec.steps * 1e3,
         "steps": spec.steps,
         "replica_threads_profiled": config is not None,
+        **label_and_self_rows(profiler, LABELS, wall, spec.steps),
+    }
+
+
+def label_and_self_rows(
+    profiler: torch.profiler.profile, labels: tuple[tuple[str, str, str], ...], wall: float, steps: int
+) -> dict[str, list[dict[str, Any]]]:
+    """Per label of ``labels``, its inclusive time and calls per step; and the 12 entries with the most self time."""
+    events = {event.key: event for event in profiler.key_averages()}
+    by_self = sorted(events.values(), key=lambda event: event.self_cpu_time_total, reverse=True)[:12]
+    return {
         "labels": [
             profile_row(
                 label,
                 events[label].cpu_time_total * 1e-6 if label in events else 0.0,
                 events[label].count if label in events else 0,
                 wall,
-                spec.steps,
+                steps,
             )
-            for _, _, label in LABELS
+            for _, _, label in labels
         ],  # fmt: skip
-        "self_time": [profile_row(e.key, e.self_cpu_time_total * 1e-6, e.count, wall, spec.steps) for e in by_self],
+        "self_time": [profile_row(e.key, e.self_cpu_time_total * 1e-6, e.count, wall, steps) for e in by_self],
     }
 
 

@@ -81,7 +81,8 @@ def _names_stored_by(cls: type) -> frozenset[str] | None:
     names: set[str] = set()
     for function in _functions_of(cls):
         try:
-            source = textwrap.dedent(inspect.getsource(function))
+            # The code object's source: ``inspect.getsource`` of a function would read what it wraps instead.
+            source = textwrap.dedent(inspect.getsource(function.__code__))
             tree = ast.parse(f"if True:\n{source}" if source[:1].isspace() else source)
         except (OSError, TypeError, SyntaxError):
             return None
@@ -92,18 +93,32 @@ def _names_stored_by(cls: type) -> frozenset[str] | None:
 def _functions_of(cls: type) -> Iterator[Any]:
     """The Python functions defined in ``cls`` that receive the instance: methods and property accessors.
 
-    A method that another package replaced by a function of its own (``torch.compile`` wraps ``nn.Module.__init__``
-    so, without ``functools.wraps``) is read as the original it calls, found among the replacement's closure.
+    A method that another package replaced by a function of its own is read together with the original: the one
+    it wraps by ``functools.wraps``, or else the function of ``cls`` among the replacement's closure (``torch.compile``
+    wraps ``nn.Module.__init__`` without ``functools.wraps``). The replacement is read too, since it may store
+    attributes of its own: Hugging Face's kernel hub wraps a layer's ``__init__`` to keep function modules in
+    ``self.__dict__``.
     """
     for value in vars(cls).values():
         if isinstance(value, (staticmethod, classmethod)):
             continue
         accessors = (value.fget, value.fset, value.fdel) if isinstance(value, property) else (value,)
         for accessor in accessors:
-            if callable(accessor):
-                function = inspect.unwrap(accessor)
+            for function in _wrapped_chain(accessor):
                 if inspect.isfunction(function):
-                    yield _original_of(function, cls)
+                    yield function
+                    original = _original_of(function, cls)
+                    if original is not function:
+                        yield original
+
+
+def _wrapped_chain(function: Any) -> Iterator[Any]:
+    """``function``, then what it wraps by ``functools.wraps`` (its ``__wrapped__``), and so on, each once."""
+    seen: set[int] = set()
+    while callable(function) and id(function) not in seen:
+        seen.add(id(function))
+        yield function
+        function = getattr(function, "__wrapped__", None)
 
 
 def _original_of(function: Any, cls: type) -> Any:
@@ -122,7 +137,7 @@ def _names_stored_on_first_argument(tree: ast.AST, private_prefix: str) -> set[s
 
     Covers ``self.x = ...`` (also augmented, annotated, unpacked and loop targets; ``self.__x`` under its mangled
     name, with ``private_prefix``), ``setattr(self, "x", ...)``, ``object.__setattr__(self, "x", ...)``,
-    ``super().__setattr__("x", ...)`` and ``self.__dict__["x"] = ...``.
+    ``super().__setattr__("x", ...)``, ``self.__dict__["x"] = ...`` and ``self.__dict__.setdefault("x", ...)``.
     """
     function = next(
         (node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))),
@@ -153,8 +168,16 @@ def _names_stored_on_first_argument(tree: ast.AST, private_prefix: str) -> set[s
 
 
 def _name_set_by_call(call: ast.Call, owner: str) -> list[str]:
-    """The literal name that ``setattr``/``__setattr__`` stores on ``owner`` in ``call``, if it is one."""
+    """The literal name that ``setattr``/``__setattr__``/``__dict__.setdefault`` stores on ``owner`` in ``call``."""
     func, first, second = call.func, call.args[0], call.args[1]
+    if (
+        isinstance(func, ast.Attribute)
+        and func.attr == "setdefault"
+        and isinstance(func.value, ast.Attribute)
+        and func.value.attr == "__dict__"
+        and _is_name(func.value.value, owner)
+    ):  # self.__dict__.setdefault("x", v)
+        return _literal(first)
     if _is_name(func, "setattr") or (isinstance(func, ast.Attribute) and func.attr == "__setattr__"):
         if _is_name(first, owner):  # setattr(self, "x", v), object.__setattr__(self, "x", v)
             return _literal(second)

@@ -7,6 +7,7 @@ plain containers and unregistered tensors are still found, wherever they sit.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import pickle
@@ -523,6 +524,43 @@ class _FunctionsInAPlainDict(Portable):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(self._kernel_funcs["rotate"](x))
+
+
+def _wrapped_like_the_kernel_hub(cls: type[nn.Module]) -> type[nn.Module]:
+    """Wraps ``cls.__init__`` as Hugging Face's kernel hub (``kernels.use_kernelized_func``) wraps a layer's: the
+    wrapper keeps modules in a plain dict of ``self.__dict__``, here one with parameters."""
+    original = cls.__init__
+
+    @functools.wraps(original)
+    def new_init(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        self.__dict__.setdefault("_kernel_funcs", {})["project"] = nn.Linear(2, 2)
+
+    cls.__init__ = new_init  # type: ignore[method-assign]
+    return cls
+
+
+@_wrapped_like_the_kernel_hub
+class _LibraryAttention(nn.Module):
+    __module__ = "transformers.models.stand_in"  # judged as a class of a model library
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(2, 2)
+
+
+@_wrapped_like_the_kernel_hub
+class _UsersAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(2, 2)
+
+
+def test_what_a_wrapper_of_a_library_class_stores_is_the_librarys_and_the_same_on_a_users_class_is_found() -> None:
+    library, users = _LibraryAttention(), _UsersAttention()
+    assert isinstance(library._kernel_funcs["project"], nn.Linear)
+    assert _found(_Holder({"attention": library})) == []
+    assert _found(_Holder({"attention": users})) == [("error", "plain-container", "parts.attention._kernel_funcs")]
 
 
 def test_modules_without_state_in_a_plain_dict_pass_and_train_like_one_device() -> None:
