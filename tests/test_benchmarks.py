@@ -156,8 +156,9 @@ def test_the_batchnorm_profile_labels_every_part_of_the_exchange_in_the_replica_
     calls = {entry["name"]: entry["calls_per_step"] for entry in profiled["labels"]}
     layers = profiled["layers"]
     assert layers == 16
-    assert calls["mgpu::bn_whole_batch"] == calls["mgpu::bn_statistics"] == calls["mgpu::bn_backward"] == layers
-    if profiled["replica_threads_profiled"]:
+    assert calls["mgpu::bn_backward"] == layers, "the backward runs in the calling thread, once per layer"
+    if profiled["replica_threads_profiled"]:  # a torch without profile_all_threads records the calling thread only
+        assert calls["mgpu::bn_whole_batch"] == calls["mgpu::bn_statistics"] == layers, "by the last to arrive"
         assert calls["mgpu::bn_call"] == calls["mgpu::bn_meeting"] == 2 * layers, "once per layer in each replica"
         assert calls["mgpu::replica_thread"] == 2
         assert calls["mgpu::function_mode"] > calls["mgpu::bn_call"], "every torch call of a replica goes through it"
