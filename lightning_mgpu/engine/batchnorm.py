@@ -346,8 +346,8 @@ class _WholeBatchNorm(torch.autograd.Function):
         centred_sums = [
             (grad * (x - mean.to(x.device).view(shape))).sum(reduced) for grad, x in zip(grads, inputs, strict=True)
         ]
-        mean_grad = sum(part.to(root) for part in grad_sums) / total
-        mean_centred = sum(part.to(root) for part in centred_sums) * inverse_std.pow(2) / total
+        mean_grad = _total([_to(part, root) for part in grad_sums]) / total
+        mean_centred = _total([_to(part, root) for part in centred_sums]) * inverse_std.pow(2) / total
         scale = inverse_std if weights[0] is None else weights[0] * inverse_std
         grad_inputs, grad_weights, grad_biases = [], [], []
         for index, (grad, x) in enumerate(zip(grads, inputs, strict=True)):
