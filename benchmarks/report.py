@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks import batchnorm
 from benchmarks.ddp_suite import variant_key
 
 _COMPARE = {">=": operator.ge, "<=": operator.le, "<": operator.lt}
@@ -150,7 +151,7 @@ def batchnorm_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
         what = f"step time: mgpu_dp sync_batchnorm=True / False, 2 CPU replicas ({layers} BatchNorm layers)"
         rows.append(row(f"batchnorm/sync_on_vs_off/{model}", what, "ratio", _compare("ratio", on, off),
                         _BATCHNORM_RATIO_TARGET.get(model, "")))  # fmt: skip
-        above = [((a - b) / layers - handoff) * 1e6 for a, b, handoff in zip(on, off, result["handoff_s"], strict=True)]
+        above = [seconds * 1e6 for seconds in batchnorm.above_handoffs_s(result, model)]
         what = "us per BatchNorm layer per step: sync on - off, above one hand-off between the replica threads"
         rows.append(row(f"batchnorm/per_layer_above_handoff/{model}", what, "us", above, _BATCHNORM_LAYER_TARGET))
     return rows
