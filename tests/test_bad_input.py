@@ -141,8 +141,17 @@ COVERED_ELSEWHERE = {
     "compute() or reset() of a metric in a replica": (
         "tests/test_replica_state.py::test_compute_or_reset_inside_a_replica_is_refused_with_the_fix"
     ),
-    "a replica's loss appended to a list": (
-        "tests/test_replica_state.py::test_appending_a_replicas_loss_to_a_list_is_refused_naming_the_list"
+    "a count of a replica's rows appended to a list": (
+        "tests/test_replica_state.py::test_appending_a_count_of_the_replicas_rows_to_a_list_is_refused_naming_the_list"
+    ),
+    "a count of a replica's rows assigned to an attribute": (
+        "tests/test_dp.py::test_an_attribute_assigned_a_count_of_the_replicas_rows_stops_the_step_with_the_module_unchanged"
+    ),
+    "a parameter changed in place from a replica's rows, by one replica, or through a view": (
+        "tests/test_replica_guard.py::test_a_parameter_changed_otherwise_stops_the_first_step_with_the_module_unchanged"
+    ),
+    "a step stored on the module as a closure that calls the module itself": (
+        "tests/test_replica_state.py::test_a_stored_step_that_calls_the_module_itself_is_refused_before_the_first_step"
     ),
     "a dict key set from each replica's rows or a plain tensor changed in place in a replica": (
         "tests/test_replica_state.py::test_a_dict_key_set_from_each_replicas_rows_or_a_plain_tensor_changed_in_place_is_refused"

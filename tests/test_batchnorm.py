@@ -143,7 +143,8 @@ def test_a_module_that_never_normalises_runs_later_calls_without_watching_torch_
             wrapper(torch.randn(6, 4))
     finally:
         wrapper.close()
-    assert depths == [1, 1, 0, 0, 0, 0]
+    # The first call of each replica watches for batch-norm calls (one mode more); every call runs in its guard.
+    assert depths == [2, 2, 1, 1, 1, 1]
 
 
 @pytest.mark.usefixtures("float64")

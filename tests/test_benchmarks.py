@@ -184,3 +184,20 @@ def test_the_gpu_check_runs_each_part_and_fails_without_a_gpu(tmp_path: Path) ->
     assert "error" not in tests.lower(), tests[-2000:]
     assert "test_cuda.py" in tests, "the skip reasons are listed"
     assert "torch sees no CUDA device here" in (tmp_path / "benchmarks.log").read_text()
+
+
+def test_the_replica_rule_benchmark_measures_each_case_with_and_without_the_rule(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from benchmarks import replica_rule
+
+    rows = replica_rule.summary(replica_rule.measure(loops=1, repeats=2, warmup=1))
+    assert [(row["depth"], row["replicas"]) for row in rows] == [(1, 2), (1, 4), (16, 2), (16, 4)]
+    for row in rows:
+        assert row["with_rule_us"] > 0
+        assert row["without_rule_us"] > 0
+        low, high = row["ratio_range"]
+        assert low <= row["ratio"] <= high
+    replica_rule.main(["--loops", "1", "--repeats", "1"])
+    printed = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in printed] == ["depth  1 x2", "depth  1 x4", "depth 16 x2", "depth 16 x4"]

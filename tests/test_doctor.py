@@ -266,7 +266,7 @@ def test_attribute_assigned_in_the_step_and_read_in_step_end_blames_the_hook() -
     assert verdicts(report)["output"] == "differs"
     message = message_of(report, "step-end-state", "output")
     assert "although every step output it receives is the same" in message
-    assert "training_step assigns `self.rows`; inside a replica that lands on the replica's own copy" in message
+    assert "training_step assigns `self.rows`; inside a replica it is computed from that replica's chunk" in message
     assert "Return what training_step_end needs from training_step" in message
     assert "a consequence of `output`" in message_of(report, "step-end-state", "layer.weight, layer.bias")
 

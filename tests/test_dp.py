@@ -21,7 +21,7 @@ from models import (
 from torch import nn
 
 import lightning_mgpu
-from lightning_mgpu import MGPUDPStrategy
+from lightning_mgpu import MGPUDPStrategy, ReplicaStateError
 from lightning_mgpu.errors import ConfigurationError, GatherError
 
 
@@ -469,22 +469,53 @@ def test_a_buffer_reassigned_in_the_step_is_kept_like_one_updated_in_place() -> 
     assert_same_parameters(parameters(single), parameters(parallel))
 
 
-def test_attributes_assigned_in_a_replica_are_named_in_a_warning() -> None:
-    class Remembering(Regressor):
+class _Remembering(Regressor):
+    """Assigns what Lightning's own tests and users' models assign in a step: inputs, flags, counters, the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps_run = 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.last_x = batch[0]  # one row per sample: the whole batch's, in batch order
+        self.net[0].called = True  # the same in every replica: once
+        self.steps_run += 1  # the same in every replica: once
+        loss = super().training_step(batch, batch_idx)
+        self.last_loss = loss.detach()  # a mean over the rows: the rows' mean
+        return loss
+
+
+def test_attributes_assigned_in_the_step_are_one_devices() -> None:
+    single = _Remembering()
+    _fit(single, 5, max_steps=3)
+    for devices in (2, 3):
+        for _ in range(2):
+            parallel = _Remembering()
+            _fit(parallel, 5, devices=devices, strategy="mgpu_dp", max_steps=3)
+            torch.testing.assert_close(parallel.last_x, single.last_x, atol=0, rtol=0)
+            torch.testing.assert_close(parallel.last_loss, single.last_loss, atol=1e-6, rtol=0)
+            assert parallel.net[0].called is True
+            assert parallel.steps_run == single.steps_run == 3
+            assert_same_parameters(parameters(parallel), parameters(single))
+
+
+def test_an_attribute_assigned_a_count_of_the_replicas_rows_stops_the_step_with_the_module_unchanged() -> None:
+    class CountsRows(Regressor):
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            self.last_x = batch[0]
-            self.net[0].calls = 1
+            self.rows = len(batch[0])
             return super().training_step(batch, batch_idx)
 
-    model = Remembering()
-    with pytest.warns(UserWarning, match=r"assigned self\.last_x, self\.net\.0\.calls inside the replicas.*discarded"):
-        _fit(model, 4, devices=2, strategy="mgpu_dp", max_steps=2)
-    assert not hasattr(model, "last_x")
-    assert not hasattr(model.net[0], "calls")
+    model = CountsRows()
+    before = parameters(model)
+    with pytest.raises(ReplicaStateError, match=r"assigned self\.rows inside the replicas.*differ \(3, 2\)") as caught:
+        _fit(model, 5, devices=2, strategy="mgpu_dp", max_steps=1)
+    assert (caught.value.path, caught.value.step) == ("self.rows", "training_step")
+    assert not hasattr(model, "rows")
+    assert_same_parameters(parameters(model), before, atol=0)
 
 
 @pytest.mark.libraries
-def test_caches_a_model_library_reassigns_in_its_own_forward_are_not_reported() -> None:
+def test_caches_a_model_library_reassigns_in_its_own_forward_are_left_to_it() -> None:
     from collections import OrderedDict
 
     from torchvision.ops import MultiScaleRoIAlign
@@ -502,12 +533,12 @@ def test_caches_a_model_library_reassigns_in_its_own_forward_are_not_reported() 
             self.seen = len(x)
             return super().training_step((x * pooled, y), batch_idx)
 
-    with pytest.warns(UserWarning, match="inside the replicas") as caught:
-        _fit(Pooled(), 4, devices=2, strategy="mgpu_dp", max_steps=1)
-    assigned = [str(warning.message) for warning in caught if "inside the replicas" in str(warning.message)]
-    assert len(assigned) == 1
-    assert "assigned self.seen inside the replicas" in assigned[0], "the module's own attribute is still named"
-    assert "pool." not in assigned[0], "torchvision recomputes its scales and map_levels on every forward"
+    model = Pooled()
+    pool_before = dict(vars(model.pool))
+    _fit(model, 4, devices=2, strategy="mgpu_dp", max_steps=1)
+    assert model.seen == 2  # each replica's 2 rows alike: taken once, as each DDP rank would hold it
+    assert vars(model.pool).keys() == pool_before.keys()  # torchvision's scales and map_levels stay torchvision's
+    assert all(vars(model.pool)[name] is value for name, value in pool_before.items() if not name.startswith("_"))
 
 
 def _attribute_names(model: nn.Module) -> dict[str, list[str]]:

@@ -8,6 +8,7 @@ not depend on which thread ran first.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -412,14 +413,54 @@ def test_a_list_the_step_appends_per_row_values_to_gets_one_item_per_step_as_on_
             torch.testing.assert_close(values, wanted)
 
 
-def test_appending_a_replicas_loss_to_a_list_is_refused_naming_the_list() -> None:
-    model = _Collects(collect="loss")
-    with pytest.raises(ReplicaStateError) as caught:
+class _EpochEndMean(L.LightningModule):
+    """Lightning 2.x's documented epoch-end pattern: each step's loss appended, their mean taken at the epoch's end."""
+
+    def __init__(self, append: str = "loss") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.append = append
+        self.layer = nn.Linear(4, 3).double()
+        self.validation_step_outputs: list[torch.Tensor] = []
+        self.epoch_means: list[torch.Tensor] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return F.cross_entropy(self.layer(batch[0]), batch[1])
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch[0], batch[1]
+        loss = F.cross_entropy(self.layer(x), y)
+        self.validation_step_outputs.append(loss if self.append == "loss" else torch.tensor(len(x)))
+
+    def on_validation_epoch_end(self) -> None:
+        self.epoch_means.append(torch.stack(self.validation_step_outputs).double().mean())
+        self.validation_step_outputs.clear()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_a_loss_appended_per_step_and_averaged_at_the_epochs_end_equals_one_device(devices: int) -> None:
+    one_device = _EpochEndMean()
+    trainer(max_epochs=2).fit(one_device, _data(), _data(seed=1))
+    for _ in range(2):
+        split = _EpochEndMean()
+        trainer(max_epochs=2, devices=devices, strategy="mgpu_dp").fit(split, _data(), _data(1))
+        assert len(split.epoch_means) == len(one_device.epoch_means) == 2
+        for value, wanted in zip(split.epoch_means, one_device.epoch_means, strict=True):
+            torch.testing.assert_close(value, wanted, atol=1e-6, rtol=0)
+
+
+def test_appending_a_count_of_the_replicas_rows_to_a_list_is_refused_naming_the_list() -> None:
+    model = _EpochEndMean(append="count")
+    with pytest.raises(
+        ReplicaStateError, match=r"appended to self\.validation_step_outputs.*differ \(tensor\(3\)"
+    ) as caught:
         trainer(max_steps=1, devices=2, strategy="mgpu_dp", num_sanity_val_steps=1).fit(model, _data(), _data())
-    assert caught.value.path == "self.outputs"
+    assert caught.value.path == "self.validation_step_outputs[-1]"
     assert caught.value.step == "validation_step"
-    assert "self.outputs[-1] is a tensor of shape ()" in str(caught.value)
-    assert model.outputs == []
+    assert model.validation_step_outputs == []
 
 
 class _Writes(nn.Module):
@@ -579,3 +620,107 @@ def test_what_a_step_writes_outside_the_module_is_written_once_per_replica() -> 
     finally:
         wrapper.close()
     assert sorted(written) == [2, 2, 3]  # once per replica, in whatever order their threads ran
+
+
+class _ClassLevelList(L.LightningModule):
+    """Per-row values appended to a list in the class body, reached through self, as a notebook often keeps them."""
+
+    rows: list[torch.Tensor] = []  # noqa: RUF012 - the class-level container this test is about
+    seen: dict[int, set[int]] = {}  # noqa: RUF012
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 1).double()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x = batch[0]
+        self.rows.append(x[:, 0] * 2)
+        self.seen.setdefault(batch_idx, set()).add(x.shape[0] + getattr(self, "replica_index", 0) * 100)
+        return self.layer(x).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("devices", [1, 2, 3])
+def test_containers_in_class_attributes_and_containers_set_at_one_key_end_as_on_one_device(devices: int) -> None:
+    """A class-level list gets one item per step in batch order; sets the replicas create at one key are united."""
+    x = torch.randn(ROWS, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    data = DataLoader(TensorDataset(x), batch_size=BATCH)
+    for _ in range(2):
+        _ClassLevelList.rows, _ClassLevelList.seen = [], {}
+        model = _ClassLevelList()
+        trainer(strategy="mgpu_dp" if devices > 1 else "auto", devices=devices).fit(model, data)
+        assert "rows" not in vars(model)
+        assert "seen" not in vars(model)
+        assert len(_ClassLevelList.rows) == 5  # one item per step, as one device appends
+        torch.testing.assert_close(torch.cat(_ClassLevelList.rows), x[:, 0] * 2, atol=0, rtol=0)
+        # one device adds the batch's rows once; each replica adds its chunk's rows, tagged by its index
+        chunks = [[3, 2], [2, 2, 1]][devices - 2] if devices > 1 else [BATCH]
+        last = {1: [3], 2: [2, 1], 3: [1, 1, 1]}[devices]
+        expected = {index: {rows + replica * 100 for replica, rows in enumerate(chunks)} for index in range(4)}
+        expected[4] = {rows + replica * 100 for replica, rows in enumerate(last)}
+        assert _ClassLevelList.seen == expected
+
+
+class _StoredStep(L.LightningModule):
+    """Its training step stored on the instance, as a bound method, a partial of one, or a closure."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 1).double()
+        if how == "partial":
+            self.training_step = functools.partial(self._step, scale=2.0)
+        elif how == "bound":
+            self.training_step = self._step
+        else:
+            step = self._step
+
+            def closure(batch: Any, batch_idx: int) -> torch.Tensor:
+                return step(batch, batch_idx)
+
+            self.training_step = closure
+
+    def _step(self, batch: Any, batch_idx: int, scale: float = 1.0) -> torch.Tensor:
+        x = batch[0]
+        self.log("rows", float(len(x)), reduce_fx="sum")
+        loss = scale * self.layer(x).pow(2).mean()
+        self.last_loss = loss.detach()
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit_stored(how: str, devices: int) -> tuple[dict[str, torch.Tensor], float, torch.Tensor]:
+    torch.manual_seed(0)
+    model = _StoredStep(how)
+    run = trainer(strategy="mgpu_dp" if devices > 1 else "auto", devices=devices)
+    x = torch.randn(ROWS, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    run.fit(model, DataLoader(TensorDataset(x), batch_size=BATCH))
+    return parameters(model), float(run.callback_metrics["rows"]), model.last_loss
+
+
+@pytest.mark.parametrize("how", ["partial", "bound"])
+def test_a_step_stored_on_the_instance_runs_on_each_replica_as_on_one_device(how: str) -> None:
+    one_device, rows, last_loss = _fit_stored(how, 1)
+    assert rows == 3.0  # the last batch's rows
+    for devices in (2, 3):
+        for _ in range(2):
+            split, split_rows, split_last_loss = _fit_stored(how, devices)
+            assert_same_parameters(split, one_device)
+            assert split_rows == rows
+            torch.testing.assert_close(split_last_loss, last_loss, atol=1e-6, rtol=0)
+
+
+def test_a_stored_step_that_calls_the_module_itself_is_refused_before_the_first_step() -> None:
+    torch.manual_seed(0)
+    model = _StoredStep("closure")
+    before = parameters(model)
+    with pytest.raises(ReplicaStateError, match="stored on the module that calls the module itself") as raised:
+        trainer(strategy="mgpu_dp", devices=2).fit(
+            model, DataLoader(TensorDataset(torch.randn(8, 4).double()), batch_size=4)
+        )
+    assert raised.value.path == "self.training_step"
+    assert "last_loss" not in vars(model)
+    assert_same_parameters(parameters(model), before, atol=0)

@@ -328,8 +328,8 @@ def _step_end_finding(results: list[Comparison], differences: Differences, text:
     if differences.assigned:
         state = (
             f" training_step assigns {_quoted(['self.' + name for name in differences.assigned])}; inside a replica"
-            " that lands on the replica's own copy, which is discarded after the step, so training_step_end reads the"
-            " module's old value."
+            " it is computed from that replica's chunk of the batch, so training_step_end reads a chunk's value,"
+            " not the batch's."
         )
     else:
         state = (

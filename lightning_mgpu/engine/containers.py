@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+import operator
+import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -31,6 +34,7 @@ from torch import nn
 
 from lightning_mgpu._compat import version_counter
 from lightning_mgpu.engine.gather import gather
+from lightning_mgpu.engine.reduce import weighted_mean
 from lightning_mgpu.engine.scatter import PerSample, is_dataclass_instance, move_to
 from lightning_mgpu.errors import ReplicaStateError
 
@@ -85,6 +89,11 @@ def _copy(value: Any, path: str, remap: Remap, into: Isolated, depth: int) -> An
         return value if replica is None else replica
     if depth > _DEPTH or isinstance(value, PerSample):
         return value
+    if isinstance(value, types.MethodType):
+        owner = remap(value.__self__) if isinstance(value.__self__, nn.Module) else None
+        return value if owner is None else types.MethodType(value.__func__, owner)
+    if isinstance(value, functools.partial):
+        return _rebound_partial(value, path, remap, into, depth)
     if isinstance(value, (list, dict)):
         copied: Any = copy.copy(value)
         for key, item in value.items() if isinstance(value, dict) else enumerate(value):
@@ -107,6 +116,22 @@ def _copy(value: Any, path: str, remap: Remap, into: Isolated, depth: int) -> An
             return value
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     return value
+
+
+def _rebound_partial(value: functools.partial[Any], path: str, remap: Remap, into: Isolated, depth: int) -> Any:
+    """A ``functools.partial`` over the replica's own methods, modules and containers, as the step would call it."""
+    func = _copy(value.func, f"{path}.func", remap, into, depth + 1)
+    args = [_copy(item, f"{path}.args[{index}]", remap, into, depth + 1) for index, item in enumerate(value.args)]
+    keywords = {
+        key: _copy(item, f"{path}.keywords[{key!r}]", remap, into, depth + 1) for key, item in value.keywords.items()
+    }
+    if (
+        func is value.func
+        and all(map(operator.is_, args, value.args))
+        and all(keywords[key] is item for key, item in value.keywords.items())
+    ):
+        return value
+    return functools.partial(func, *args, **keywords)
 
 
 def combine(replicas: Sequence[Isolated], sizes: Sequence[int] | None, device: torch.device, step: str) -> None:
@@ -152,8 +177,9 @@ def _combine_additions(
     """The keys the replicas added to a dict, each with the one value they agree on, go into the module's dict.
 
     Keys per sample (``self.losses[sample_id] = ...``) add up to one device's dict, and a cache the replicas each
-    fill (``self.masks[shape] = ...``) gets every entry; a key whose value the replicas disagree on, or a key the
-    dict had that a replica changed or removed, has no one device's value.
+    fill (``self.masks[shape] = ...``) gets every entry, and sets or dicts the replicas created at one key are
+    merged; a key whose value the replicas disagree on otherwise, or a key the dict had that a replica changed or
+    removed, has no one device's value.
     """
     path, original = column[0][0], column[0][1]
     added: dict[Any, Any] = {}
@@ -169,15 +195,41 @@ def _combine_additions(
             if key in given:
                 continue
             value = move_to(value, device)
-            if key in added and not _same_value(added[key], value):
-                raise ReplicaStateError(
-                    f"{step} set {path}[{key!r}] to different values in different replicas, as a value computed from"
-                    f" each replica's rows would be, so one device's value cannot be told. {_FIX}.",
-                    f"{path}[{key!r}]",
-                    step,
-                )
-            added.setdefault(key, value)
+            if key in added:
+                merged = _merged(added[key], value)
+                if merged is _MISSING:
+                    raise ReplicaStateError(
+                        f"{step} set {path}[{key!r}] to different values in different replicas, as a value computed"
+                        f" from each replica's rows would be, so one device's value cannot be told. {_FIX}.",
+                        f"{path}[{key!r}]",
+                        step,
+                    )
+                value = merged
+            added[key] = value
     original.update(added)
+
+
+_MISSING = object()
+
+
+def _merged(left: Any, right: Any) -> Any:
+    """One value for a key two replicas added: the same value, sets united, dicts merged key by key; else missing.
+
+    Sets and dicts have no order, so what the replicas added to one created at the same key
+    (``self.seen.setdefault(batch_idx, set()).add(...)``) is what one device adds to it.
+    """
+    if isinstance(left, set) and isinstance(right, set) and type(left) is type(right):
+        return left | right
+    if isinstance(left, dict) and isinstance(right, dict) and type(left) is type(right):
+        merged = copy.copy(left)
+        for key, value in right.items():
+            if key in merged:
+                value = _merged(merged[key], value)
+                if value is _MISSING:
+                    return _MISSING
+            merged[key] = value
+        return merged
+    return left if _same_value(left, right) else _MISSING
 
 
 def _same_value(left: Any, right: Any) -> bool:
@@ -224,19 +276,79 @@ def _combine_appends(
         )
     for position in range(counts[0]):
         items = [items[position] for items in appended]
-        for replica, (item, rows) in enumerate(zip(items, sizes, strict=True)):
-            odd = _not_rows(item, rows, f"{path}[-1]")
-            if odd is not None:
-                raise ReplicaStateError(
-                    f"{step} appended to {path} inside the replicas, and in replica {replica} {odd}. Each replica"
-                    f" sees {rows} of the batch's rows, so only values with one entry per row (tensors whose first"
-                    " size is the replica's rows, or dicts, lists and tuples of them) can be joined into what one"
-                    f" device appends for the whole batch; a loss or a count of the replica's rows cannot. {_FIX}, or"
-                    " append per-row values.",
-                    path,
-                    step,
-                )
-        original.append(gather(items, device, sizes, path=f"{path}[-1]"))
+        original.append(combine_values(items, sizes, device, f"{path}[-1]", step, f"appended to {path}"))
+
+
+def combine_values(
+    values: Sequence[Any], sizes: Sequence[int], device: torch.device, path: str, step: str, what: str
+) -> Any:
+    """One device's value of what each replica computed on its chunk, by the rules that gather step outputs.
+
+    Values with one entry per row of each replica's chunk (tensors, ``PerSample`` lists, containers of them) are
+    gathered in batch order; a value every replica computed alike (a flag, a counter, the batch index) is taken
+    once; 0-dim floats and floats, a mean over the rows such as a loss, become their mean weighted by the rows.
+
+    Args:
+        values: each replica's value, in batch order.
+        sizes: the rows each replica received.
+        device: where the value is gathered.
+        path: how the step's code names the value, for messages.
+        step: the method the replicas ran, for messages.
+        what: what the step did with the value (``"assigned self.loss"``), for messages.
+
+    Raises:
+        ReplicaStateError: for values that none of the rules makes one device's.
+    """
+    if any(_holds_tensor(value) for value in values) and all(
+        _not_rows(value, rows, path) is None for value, rows in zip(values, sizes, strict=True)
+    ):
+        return gather(list(values), device, list(sizes), path=path)
+    first = values[0]
+    if all(_same_value(first, value) for value in values[1:]):
+        return first
+    if all(_is_float_scalar(value) for value in values):
+        if isinstance(first, torch.Tensor):
+            return weighted_mean(torch.stack([move_to(value, device) for value in values]), list(sizes))
+        return sum(float(value) * rows for value, rows in zip(values, sizes, strict=True)) / sum(sizes)
+    odd = next(
+        (
+            f", and in replica {index} {reason}"
+            for index, (value, rows) in enumerate(zip(values, sizes, strict=True))
+            if _holds_tensor(value) and (reason := _not_rows(value, rows, path)) is not None
+        ),
+        "",
+    )
+    raise ReplicaStateError(
+        f"{step} {what} inside the replicas, and the replicas' values differ ({_shown(values)}){odd}. Each replica"
+        " sees its own rows of the batch, so only values with one entry per row (gathered in batch order), values"
+        " every replica computes alike (taken once) and float means over the rows (averaged by rows) give one"
+        " device's value; a count or a value of another kind does not. Return it from the step and combine it in"
+        " the matching *_step_end hook, where self is the module itself.",
+        path,
+        step,
+    )
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, (torch.Tensor, PerSample)):
+        return True
+    if isinstance(value, Mapping):
+        return any(_holds_tensor(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensor(item) for item in value)
+    return is_dataclass_instance(value) and any(
+        _holds_tensor(getattr(value, field.name)) for field in dataclasses.fields(value)
+    )
+
+
+def _is_float_scalar(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 0 and (value.is_floating_point() or value.is_complex())
+    return isinstance(value, float)
+
+
+def _shown(values: Sequence[Any]) -> str:
+    return ", ".join(f"{value!r:.40}" for value in values)
 
 
 def _not_rows(item: Any, rows: int, path: str) -> str | None:

@@ -22,6 +22,7 @@ from lightning_mgpu.engine.scatter import (
     scatter_to_devices,
 )
 from lightning_mgpu.errors import ConfigurationError
+from lightning_mgpu.replica_state import ReplicaGuard
 
 DeviceLike = torch.device | str | int
 Call = tuple[tuple[Any, ...], dict[str, Any]]
@@ -208,11 +209,19 @@ class MGPUDataParallel(nn.Module):
         replicas = list(replicas)
         devices = list(devices)
         exchange = self._batch_statistics_exchange(method, replicas)
+        guards = self._replicate.begin(method)
         bound = [
-            _bind(replica if method is None else getattr(replica, method), args, kwargs, exchange, index, replica)
+            _bind(
+                replica if method is None else getattr(replica, method),
+                args,
+                kwargs,
+                exchange,
+                index,
+                replica,
+                None if guards is None else guards[index],
+            )
             for index, (replica, (args, kwargs)) in enumerate(zip(replicas, calls, strict=True))
         ]
-        self._replicate.begin(method)
         outputs = self._apply_in_threads(bound, devices, context)
         if exchange is not None:
             self._batch_statistics.record(method, exchange)
@@ -235,10 +244,6 @@ class MGPUDataParallel(nn.Module):
         devices = self._replicate.devices
         if devices and devices[0] != self.root_device:
             self._return_buffers_to_root()
-
-    def assigned_attributes(self, ignore: frozenset[str] = frozenset()) -> list[str]:
-        """The public plain attributes that replica 0 of the last call assigned, which are dropped after it."""
-        return self._replicate.assigned_attributes(ignore)
 
     def resolve_logged(self, value: Any, replica: int) -> tuple[nn.Module | None, Any] | None:
         """What ``value``, logged by ``replica`` in the last call, is on one device, if a torchmetrics metric made it.
@@ -451,7 +456,10 @@ def _bind(
     exchange: _Exchange | None,
     index: int,
     replica: nn.Module,
+    guard: ReplicaGuard | None,
 ) -> Callable[[], Any]:
+    if guard is not None:
+        return _guarded(_bind(function, args, kwargs, exchange, index, replica, None), guard)
     if exchange is None:
 
         def call() -> Any:
@@ -475,3 +483,11 @@ def _bind(
         return result
 
     return call_with_whole_batch_statistics
+
+
+def _guarded(call: Callable[[], Any], guard: ReplicaGuard) -> Callable[[], Any]:
+    def call_in_guard() -> Any:
+        with guard:
+            return call()
+
+    return call_in_guard

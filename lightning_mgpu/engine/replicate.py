@@ -19,8 +19,12 @@ module after the call, in batch order, or refuses it.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import operator
+import types
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,9 +32,11 @@ import torch
 from torch import nn
 
 from lightning_mgpu import _compat
-from lightning_mgpu.engine.containers import Isolated, combine, isolate
+from lightning_mgpu.engine.containers import Isolated, combine, combine_values, isolate
 from lightning_mgpu.engine.metrics import MetricReplicas, metric_units
+from lightning_mgpu.errors import ReplicaStateError
 from lightning_mgpu.library_code import is_library_class, kept_by_library
+from lightning_mgpu.replica_state import ReplicaGuard, ReplicaStates
 
 
 class ReplicaCache:
@@ -48,6 +54,9 @@ class ReplicaCache:
         self._structures: dict[tuple[torch.device, ...], _Structure] = {}
         self._kept_buffers: list[tuple[nn.Module, nn.Module]] = []
         self._isolated: list[Isolated] = []
+        self._aliases: list[dict[int, torch.Tensor]] = []
+        self._attributes: list[list[tuple[tuple[str, ...], list[Any]]]] = []
+        self._states = ReplicaStates()
 
     @property
     def structure(self) -> object:
@@ -97,26 +106,42 @@ class ReplicaCache:
         replicas = []
         self._kept_buffers = []
         self._isolated = [Isolated() for _ in devices] if structure.isolates else []
+        self._aliases = []
         for index, device in enumerate(devices):
             kept = self._kept_buffers if index == 0 else None
             isolated = self._isolated[index] if self._isolated else None
-            replicas.append(structure.refresh(index, device, on_root and device == root, kept, isolated))
+            aliases: dict[int, torch.Tensor] = {}
+            replicas.append(structure.refresh(index, device, on_root and device == root, kept, isolated, aliases))
+            self._aliases.append(aliases)
         if structure.metrics is not None:
             structure.metrics.start()
         return replicas
 
-    def begin(self, method: str | None) -> None:
-        """Name the call that the replicas of the last ``__call__`` are about to run (``None``: forward)."""
+    def begin(self, method: str | None) -> list[ReplicaGuard] | None:
+        """Name the call that the replicas of the last ``__call__`` are about to run (``None``: forward).
+
+        Returns one ``ReplicaGuard`` per replica, for each to run its call in, where two or more run side by side
+        (``lightning_mgpu.replica_state``); ``None`` for a replica running alone, which shares nothing with another.
+        """
         structure = self._structure
         if structure is not None and structure.metrics is not None:
             structure.metrics.name(method)
+        if len(self._aliases) < 2:
+            return None
+        if structure is not None:
+            if method is not None:
+                _check_stored_method(structure.originals[0], method)
+            self._attributes = structure.snapshot(len(self._aliases))
+        return self._states.begin(self._aliases, method or "forward")
 
     def settle(self, sizes: Sequence[int] | None, device: torch.device, method: str | None) -> None:
         """Put back into the module what the replicas of the last call changed, in batch order, or refuse it.
 
-        Torchmetrics metrics merge their copies' states (``lightning_mgpu.engine.metrics``), lists gain what every
-        replica appended and sets what they added (``lightning_mgpu.engine.containers``), and buffers that replica 0
-        reassigned are stored on the module, as its in-place updates are.
+        Parameters that every replica changed alike in place are changed once, and other changes of them refused
+        (``lightning_mgpu.replica_state``); torchmetrics metrics merge their copies' states
+        (``lightning_mgpu.engine.metrics``), lists gain what every replica appended and sets what they added
+        (``lightning_mgpu.engine.containers``), and buffers that replica 0 reassigned are stored on the module, as
+        its in-place updates are.
 
         Args:
             sizes: the rows each replica received, in batch order.
@@ -124,10 +149,15 @@ class ReplicaCache:
             method: the method the replicas ran (``None``: forward), for messages.
         """
         structure = self._structure
+        step = method or "forward"
+        if structure is not None and len(self._aliases) > 1:
+            self._states.settle(structure.originals[0], step)
+            structure.settle_assignments(self._attributes, sizes, device, step)
+        self._aliases, self._attributes = [], []
         if structure is not None and structure.metrics is not None:
             structure.metrics.settle(len(structure.devices))
         if self._isolated:
-            combine(self._isolated, sizes, device, method or "forward")
+            combine(self._isolated, sizes, device, step)
         self.keep_reassigned_buffers()
 
     def resolve(self, value: Any, replica: int) -> tuple[nn.Module | None, Any] | None:
@@ -139,17 +169,6 @@ class ReplicaCache:
         if structure is None or structure.metrics is None:
             return None
         return structure.metrics.resolve(value, replica)
-
-    def assigned_attributes(self, ignore: frozenset[str]) -> list[str]:
-        """The public plain attributes that replica 0 of the last call (or a module inside it) assigned, as paths.
-
-        They live on the replica only and are gone after the call; names starting with ``_`` and those in ``ignore``
-        are bookkeeping of torch, Lightning or the caller, not state the model meant to keep, and so is an attribute
-        that the module's own library code recomputes (a torch hook's weight, torchvision's anchor cache). The
-        copies a replica is given of metrics and containers are not assignments.
-        """
-        structure = self._structure
-        return [] if structure is None else structure.assigned_attributes(ignore)
 
     def keep_reassigned_buffers(self) -> None:
         """Store on the module the buffers that replica 0 of the last call reassigned (``self.count = self.count + 1``).
@@ -177,6 +196,8 @@ class _Structure:
         self.all_reusable = all(self.reusable)
         self.compiled_wrapper = [_compat.is_compiled_wrapper(original) for original in originals]
         self.shells = [[_shell(original) for original in originals] for _ in devices]
+        self.current = [list(shells) for shells in self.shells]
+        """Each replica's shells in the last call (fresh ones for modules that cannot reuse theirs)."""
         self.names = _names_of(originals[0])
         # A metric binds update and compute to itself, so even a replica running alone needs a copy of its own; a
         # replica running alone shares its containers with no other, so it gets no copies of them.
@@ -196,7 +217,6 @@ class _Structure:
         ]
         self.isolates = bool(self.own_code)
         self._library_kept: dict[tuple[int, str], bool] = {}
-        self._isolated_names: list[frozenset[str]] = [frozenset() for _ in originals]
         self._signatures: dict[int, tuple[tuple[Any, ...], frozenset[str]]] = {}
 
     def refresh(
@@ -206,11 +226,13 @@ class _Structure:
         on_device: bool,
         kept_buffers: list[tuple[nn.Module, nn.Module]] | None,
         isolated: Isolated | None,
+        aliases: dict[int, torch.Tensor],
     ) -> nn.Module:
         """Re-point replica ``index``'s shells at the modules' current state and return the top shell.
 
         ``on_device``: every parameter and buffer is on ``device`` already, so parameters become aliases and
-        buffers stay shared or are cloned without a device check each.
+        buffers stay shared or are cloned without a device check each. ``aliases`` (empty) receives the replica's
+        own tensor for each parameter, by the parameter's ``id``.
         """
         originals = self.originals
         kept = self.shells[index]
@@ -223,9 +245,11 @@ class _Structure:
                     originals, kept, self.reusable, self.in_metrics, strict=True
                 )
             ]
+        self.current[index] = shells
         position = self.position
         first = index == 0
-        aliases: dict[int, torch.Tensor] = _aliases_of(originals) if on_device else {}
+        if on_device:
+            aliases.update(_aliases_of(originals))
         compiled: list[tuple[nn.Module, nn.Module]] = []
         rows = zip(originals, shells, self.reusable, self.compiled_wrapper, self.in_metrics, strict=True)
         for original, shell, reuse, wrapper, in_metrics in rows:
@@ -287,8 +311,35 @@ class _Structure:
         for own in self.own_code:
             state = shells[own].__dict__
             names = self._state_names(own, state)
+            shared = self._class_containers(own)
+            if shared:
+                # A container in a class attribute of the model's own (``losses = []`` in the class body) is reached
+                # through self by every replica: each gets a copy of its own under the same name, as for one set
+                # on the instance, and what it changed goes back into the class's container.
+                inherited = [name for name in shared if name not in state]
+                for name in inherited:
+                    state[name] = shared[name]
+                names = names.union(inherited)
             if names:
                 isolate(state, names, _path(self.names[id(self.originals[own])]), remap, isolated)
+
+    def _class_containers(self, position: int) -> dict[str, Any]:
+        """The lists, dicts and sets that the model's own classes of module ``position`` hold as class attributes."""
+        kind = type(self.originals[position])
+        names = _CLASS_CONTAINERS.get(kind)
+        if names is None:
+            found: dict[str, None] = {}
+            for owner in reversed(kind.__mro__):
+                if is_library_class(owner) or owner is object:
+                    continue
+                for name, value in vars(owner).items():
+                    if isinstance(value, _MUTABLE) and not name.startswith("__"):
+                        found[name] = None
+                    else:
+                        found.pop(name, None)
+            names = _CLASS_CONTAINERS[kind] = tuple(found)
+        values = {name: getattr(kind, name, None) for name in names}  # read anew: the class may rebind them
+        return {name: value for name, value in values.items() if isinstance(value, _MUTABLE)}
 
     def _state_names(self, position: int, state: dict[str, Any]) -> frozenset[str]:
         """The attributes of module ``position`` (its replica's ``state``) that hold containers or plain tensors.
@@ -307,7 +358,6 @@ class _Structure:
             if _may_hold_state(value) and not _library_container(value) and not self._kept(position, name)
         )
         self._signatures[position] = (signature, names)
-        self._isolated_names[position] = names
         return names
 
     def _kept(self, position: int, name: str) -> bool:
@@ -327,25 +377,120 @@ class _Structure:
                     mapping[id(buffer)] = replica
         return mapping
 
-    def assigned_attributes(self, ignore: frozenset[str]) -> list[str]:
-        """See ``ReplicaCache.assigned_attributes``; reads replica 0's shells."""
-        assigned: list[str] = []
-        for position, (original, shell) in enumerate(zip(self.originals, self.shells[0], strict=True)):
-            if self.in_metrics[position]:
-                continue
-            state = original.__dict__
-            isolated = self._isolated_names[position]
-            prefix = self.names[id(original)]
-            assigned.extend(
-                f"{prefix}.{name}" if prefix else name
-                for name, value in shell.__dict__.items()
-                if name[0] != "_"
-                and name not in ignore
-                and name not in isolated
-                and state.get(name, _MISSING) is not value
-                and not self._kept(position, name)
+    def snapshot(self, count: int) -> list[list[tuple[tuple[str, ...], list[Any]]]]:
+        """The attributes of the first ``count`` replicas' shells as the call begins: names and values, in order."""
+        return [
+            [(tuple(shell.__dict__), list(shell.__dict__.values())) for shell in self.current[index]]
+            for index in range(count)
+        ]
+
+    def settle_assignments(
+        self,
+        before: list[list[tuple[tuple[str, ...], list[Any]]]],
+        sizes: Sequence[int] | None,
+        device: torch.device,
+        step: str,
+    ) -> None:
+        """Give the module the plain attributes the replicas assigned, as one device assigns them, or refuse them.
+
+        An attribute is one device's when every replica assigned it and their values combine by the rules that
+        gather step outputs (``containers.combine_values``): the same value once (``self.step_called = True``,
+        ``self.count += 1``), a loss by the rows' mean, values per row in batch order. Names starting with ``_`` and
+        attributes that the module's library code recomputes are torch's, Lightning's or the library's to keep.
+        """
+        changed: dict[int, set[str]] = {}
+        for index, modules in enumerate(before):
+            shells = self.current[index]
+            for position, old in enumerate(modules):
+                state = shells[position].__dict__
+                if len(state) == len(old[1]) and all(map(operator.is_, state.values(), old[1])):
+                    continue  # the common case, at C speed: nothing assigned
+                names = self._changed_names(state, old, position)
+                if names:
+                    changed.setdefault(position, set()).update(names)
+        assigned = [
+            (self.originals[position], name, self._combined(position, name, sizes, device, step))
+            for position, names in changed.items()
+            for name in sorted(names)
+        ]
+        for original, name, value in assigned:  # only once every attribute has one device's value
+            if value is _MISSING:
+                delattr(original, name)
+            else:
+                setattr(original, name, value)
+
+    def _changed_names(self, state: dict[str, Any], old: tuple[tuple[str, ...], list[Any]], position: int) -> set[str]:
+        """The assignable names whose value in ``state`` is not the one in ``old`` (names and values as it began)."""
+        before = dict(zip(*old, strict=True))
+        names = {name for name, value in state.items() if before.get(name, _MISSING) is not value}
+        names.update(before.keys() - state.keys())
+        return {name for name in names if self._assignable(position, name)}
+
+    def _assignable(self, position: int, name: str) -> bool:
+        return name[0] != "_" and not self.in_metrics[position] and not self._kept(position, name)
+
+    def _combined(self, position: int, name: str, sizes: Sequence[int] | None, device: torch.device, step: str) -> Any:
+        """One device's value of attribute ``name`` of module ``position`` (``_MISSING``: deleted), or refuse it."""
+        original = self.originals[position]
+        path = f"{_path(self.names[id(original)])}.{name}"
+        had = original.__dict__.get(name, _MISSING)
+        values = [shells[position].__dict__.get(name, _MISSING) for shells in self.current[: len(sizes or ())]]
+        unchanged = [index for index, value in enumerate(values) if value is had]
+        if unchanged or sizes is None:
+            raise ReplicaStateError(
+                f"{step} assigned {path} inside some replicas but not in replica {unchanged[0] if unchanged else 0},"
+                " so one device's value cannot be told. Assign it in every replica, or in the matching *_step_end"
+                " hook, where self is the module itself.",
+                path,
+                step,
             )
-        return assigned
+        if all(value is _MISSING for value in values):
+            return _MISSING
+        if any(value is _MISSING for value in values):
+            raise ReplicaStateError(
+                f"{step} deleted {path} inside some replicas but not in others, so one device's module cannot be"
+                " told. Delete it in the matching *_step_end hook, where self is the module itself.",
+                path,
+                step,
+            )
+        return combine_values(values, sizes, device, path, step, f"assigned {path}")
+
+
+def _check_stored_method(module: nn.Module, method: str) -> None:
+    """Refuse a step stored on the module as a callable that replicas cannot re-bind and that calls the module itself.
+
+    A bound method or ``functools.partial`` of one is re-bound to each replica (``engine.containers``); a closure or
+    a mock that wraps the module's method would run every replica's chunk on the module itself, in every thread.
+    """
+    stored = module.__dict__.get(method)
+    if stored is None or isinstance(stored, (types.MethodType, functools.partial)) or not _reaches(stored, module, 0):
+        return
+    raise ReplicaStateError(
+        f"self.{method} is a {type(stored).__name__} stored on the module that calls the module itself, so each"
+        f" replica would run its chunk on the module instead of on itself ({method}'s self would not be the"
+        f" replica, and what it sets or logs would land on the module, once per replica). Define {method} as a"
+        f" method of the class, or store a bound method or a functools.partial of one (self.{method} ="
+        f" functools.partial(self._step, stage='train')), which each replica re-binds to itself.",
+        f"self.{method}",
+        method,
+    )
+
+
+def _reaches(value: Any, module: nn.Module, depth: int) -> bool:
+    """Whether calling ``value`` would call into ``module``: a method of it, in a closure, a wrapper or a mock."""
+    if value is module:
+        return True
+    if depth > 3:
+        return False
+    if isinstance(value, types.MethodType):
+        return value.__self__ is module or _reaches(value.__func__, module, depth + 1)
+    if isinstance(value, functools.partial):
+        return any(_reaches(item, module, depth + 1) for item in (value.func, *value.args, *value.keywords.values()))
+    inner = [getattr(value, "__wrapped__", None), getattr(value, "_mock_wraps", None)]
+    for cell in getattr(value, "__closure__", None) or ():
+        with contextlib.suppress(ValueError):  # an empty cell
+            inner.append(cell.cell_contents)
+    return any(item is not None and _reaches(item, module, depth + 1) for item in inner)
 
 
 def replicate(module: nn.Module, devices: Sequence[torch.device]) -> list[nn.Module]:
@@ -389,10 +534,19 @@ def all_on(modules: list[nn.Module], device: torch.device) -> bool:
 
 _MISSING = object()
 
+_MUTABLE = (list, dict, set)
+
+_CLASS_CONTAINERS: weakref.WeakKeyDictionary[type, tuple[str, ...]] = weakref.WeakKeyDictionary()
+"""Each class's names of containers in class attributes of the model's own classes (``_class_containers``)."""
+
 
 def _may_hold_state(value: Any) -> bool:
-    """Whether an attribute's value is a container or a plain tensor, which replicas get copies of or watch."""
-    return isinstance(value, (list, tuple, dict, set, torch.Tensor))
+    """Whether an attribute's value is a container or a plain tensor, which replicas get copies of or watch.
+
+    A bound method or ``functools.partial`` stored on the module (``self.step = functools.partial(self._step, ...)``)
+    is re-bound to the replica, so that ``self`` in it is the replica, as it is in the class's own methods.
+    """
+    return isinstance(value, (list, tuple, dict, set, torch.Tensor, types.MethodType, functools.partial))
 
 
 def _library_container(value: Any) -> bool:

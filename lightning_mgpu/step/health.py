@@ -97,7 +97,7 @@ class StepHealth:
     def wants(self, kind: str, checks: int = 3) -> bool:
         """Whether to run a costly check of ``kind`` now: for its first ``checks`` calls, until it finds something.
 
-        What these checks look at (attributes a step assigns, BatchNorm layers in training mode) is the same in
+        What these checks look at (BatchNorm layers in training mode) is the same in
         every step of a run, so the first steps show it and later steps need not pay for it.
         """
         done = self._checks.get(kind, 0)
@@ -105,19 +105,6 @@ class StepHealth:
             return False
         self._checks[kind] = done + 1
         return True
-
-    def check_assigned(self, paths: Sequence[str], step: str) -> None:
-        """Attributes a replica assigned live on that replica only and are gone when the step ends."""
-        if paths:
-            listed = ", ".join(f"self.{path}" for path in paths[:5]) + (" ..." if len(paths) > 5 else "")
-            self._report(
-                f"attributes in {step}",
-                f"{self.strategy_name}: {step} assigned {listed} inside the replicas. Each replica is a copy that"
-                " lives for one step, so these values are discarded and the module keeps what it had before the"
-                " step (as with torch.nn.DataParallel). Return the values from the step instead (they are"
-                " gathered for the *_step_end hook, where self is the module itself), or register a buffer and"
-                " update it in place.",
-            )
 
     def _report(self, kind: str, message: str) -> None:
         """Warn once per kind; these checks run mid-epoch, so a progress bar on screen steps aside for the line."""

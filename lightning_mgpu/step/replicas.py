@@ -43,11 +43,13 @@ def run_replica_step(
 ) -> Any:
     """Run ``module.<step>(*args, **kwargs)`` split across the replicas of ``wrapper`` and return what Lightning sees.
 
-    The first argument is the batch; ``context`` (the precision plugin's autocast) is entered in every replica
-    thread. Values logged in replicas are combined and logged on ``module``; the gathered output goes to the
-    ``*_step_end`` hook, or, without one, every 0-dim value the replicas returned is combined into one by a mean
-    weighted by chunk size (``combine_scalars``). ``health``, when given, warns about idle devices and a non-finite
-    training loss.
+    The first argument is the batch; ``context`` (the precision plugin's context) is entered once, in the calling
+    thread, around the replicas' calls: a default dtype it sets is process-wide, so replica threads entering it
+    each would race to set and restore it, and its thread-local part (autocast, grad mode) reaches every replica
+    thread as the caller's state does. Values logged in replicas are combined and logged on ``module``; the gathered
+    output goes to the ``*_step_end`` hook, or, without one, every 0-dim value the replicas returned is combined
+    into one by a mean weighted by chunk size (``combine_scalars``). ``health``, when given, warns about idle devices
+    and a non-finite training loss.
     """
     if not args:
         raise ConfigurationError(
@@ -65,11 +67,10 @@ def run_replica_step(
         prepare_replica(replica, index, len(replicas), device, rows)
         for index, (replica, device, rows) in enumerate(zip(replicas, scattered.devices, scattered.sizes, strict=True))
     ]
-    outputs = wrapper.parallel_apply(replicas, scattered.calls, scattered.devices, step, context)
+    with context():
+        outputs = wrapper.parallel_apply(replicas, scattered.calls, scattered.devices, step)
     wrapper.settle(scattered.sizes, step)
     replay(logs, module, wrapper.root_device, wrapper.resolve_logged)
-    if health is not None and health.wants(f"attributes in {step}"):
-        health.check_assigned(wrapper.assigned_attributes(_SET_BY_PREPARE), step)
     gathered = wrapper.gather(outputs, scattered.sizes, step)
     if has_step_end(module, step):
         result = call_step_end(module, step, gathered)
@@ -106,9 +107,6 @@ def mark_outside_replicas(module: nn.Module) -> Callable[[], None]:
                 module.__dict__[name] = value
 
     return restore
-
-
-_SET_BY_PREPARE = frozenset({"replica_index", "num_replicas", "manual_backward", "log"})
 
 
 def prepare_replica(replica: nn.Module, index: int, num_replicas: int, device: torch.device, rows: int) -> ReplicaLog:

@@ -1,0 +1,113 @@
+"""What the replica-state rule costs per step: the engine with it against the engine without it, side by side.
+
+The rule (``lightning_mgpu/replica_state``) runs each replica's call in a torch function mode that routes parameter
+writes and random draws to the replica's own, reads the default generator's state around the call, and compares
+each replica's attributes before and after it. On the CPU proxy of ``benchmarks.overhead`` (one intra-op thread,
+``nn.Sequential`` of ``Linear(4, 4)``, 8 rows, forward + backward + SGD step), each repeat times a short loop of the
+engine with the rule and one without it (the engine as it was before the rule: replicas that share the module's
+parameters and the default generator), in alternating order; a row reports the median of the per-repeat ratios
+and differences, with their min and max.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from benchmarks.overhead import _Case, _loop_us
+from lightning_mgpu.engine.replicate import ReplicaCache
+from lightning_mgpu.replica_state import ReplicaGuard
+
+DEPTHS = (1, 16)
+REPLICAS = (2, 4)
+BUDGET = 0.10
+"""The most the rule may add to a step: 10%."""
+
+
+class _WithoutRule(ReplicaCache):
+    """The replica cache as it was before the rule: no guard, no snapshot of attributes, nothing settled by it."""
+
+    def begin(self, method: str | None) -> list[ReplicaGuard] | None:
+        structure = self._structure
+        if structure is not None and structure.metrics is not None:
+            structure.metrics.name(method)
+        return None
+
+    def settle(self, sizes: Sequence[int] | None, device: torch.device, method: str | None) -> None:
+        self._aliases = []  # nothing was begun by the rule, so nothing is settled by it
+        super().settle(sizes, device, method)
+
+
+def measure(loops: int, repeats: int, warmup: int = 10) -> list[dict[str, Any]]:
+    """Each case's microseconds per call with and without the rule, ``repeats`` times, alternating their order."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    results = []
+    try:
+        for depth in DEPTHS:
+            for replicas in REPLICAS:
+                with_rule, without_rule = _Case(depth, replicas), _Case(depth, replicas)
+                without_rule.wrapper._replicate = _WithoutRule()  # noqa: SLF001 - the variant measured against
+                variants = {"with_rule": with_rule.engine, "without_rule": without_rule.engine}
+                times: dict[str, list[float]] = {name: [] for name in variants}
+                try:
+                    for function in variants.values():
+                        _loop_us(function, warmup)
+                    gc.disable()
+                    for repeat in range(repeats):
+                        order = list(variants) if repeat % 2 == 0 else list(reversed(variants))
+                        for name in order:
+                            times[name].append(_loop_us(variants[name], loops)[0])
+                finally:
+                    gc.enable()
+                    with_rule.close()
+                    without_rule.close()
+                results.append({"depth": depth, "replicas": replicas, **times})
+    finally:
+        torch.set_num_threads(threads)
+    return results
+
+
+def summary(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per case: the median ratio with / without the rule and the median difference, with min and max."""
+    rows = []
+    for case in results:
+        ratios = [a / b for a, b in zip(case["with_rule"], case["without_rule"], strict=True)]
+        differences = [a - b for a, b in zip(case["with_rule"], case["without_rule"], strict=True)]
+        rows.append(
+            {
+                "depth": case["depth"],
+                "replicas": case["replicas"],
+                "with_rule_us": statistics.median(case["with_rule"]),
+                "without_rule_us": statistics.median(case["without_rule"]),
+                "ratio": statistics.median(ratios),
+                "ratio_range": (min(ratios), max(ratios)),
+                "difference_us": statistics.median(differences),
+                "within_budget": statistics.median(ratios) <= 1 + BUDGET,
+            }
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print each case's row."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.replica_rule", description=__doc__.splitlines()[0])
+    parser.add_argument("--loops", type=int, default=20, help="calls per timed loop (default 20)")
+    parser.add_argument("--repeats", type=int, default=41, help="timed loops per variant and case (default 41)")
+    arguments = parser.parse_args(argv)
+    for row in summary(measure(arguments.loops, arguments.repeats)):
+        low, high = row["ratio_range"]
+        print(
+            f"depth {row['depth']:2d} x{row['replicas']}: with the rule {row['with_rule_us']:7.1f} us, without"
+            f" {row['without_rule_us']:7.1f} us, ratio {row['ratio']:.3f} [{low:.3f}, {high:.3f}],"
+            f" {row['difference_us']:+.1f} us; within {BUDGET:.0%}: {'met' if row['within_budget'] else 'NOT met'}"
+        )
+
+
+if __name__ == "__main__":
+    main()

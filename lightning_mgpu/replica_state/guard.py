@@ -1,0 +1,108 @@
+"""The torch function mode each replica's call runs in, and what the calling thread does before and after the call.
+
+Replicas are threads of one process: what torch keeps per process (the default generator, the storage of the
+module's parameters on a shared device) is reached by all of them. ``ReplicaGuard`` sees every torch function a
+replica calls and routes the two that would make a result depend on thread timing: writes to a parameter go to a
+copy of the replica's own (``parameters``), random numbers come from a generator of the replica's own (``random``).
+``ReplicaStates`` makes one guard per replica before a call and, after it, gives the module one device's result or
+refuses it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from lightning_mgpu.replica_state import parameters
+from lightning_mgpu.replica_state.parameters import ParameterWrites, written_tensors
+from lightning_mgpu.replica_state.random import DefaultGenerator, ReplicaRandom, StepSeed, draws
+
+_DATA = torch.Tensor.data
+_DETACH = torch.Tensor.detach
+
+
+class ReplicaGuard(TorchFunctionMode):
+    """One replica's torch function mode for one call: parameter writes and random draws made the replica's own."""
+
+    def __init__(self, writes: ParameterWrites, random: ReplicaRandom, step: str) -> None:
+        super().__init__()
+        self.writes = writes
+        self.random = random
+        self.step = step
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        kind = _KINDS.get(func)
+        if kind is None:
+            kind = _KINDS[func] = _kind(func)
+        if kind == _PLAIN and "out" not in kwargs:
+            return func(*args, **kwargs)
+        if kind == _VIEW:
+            result = func(*args, **kwargs)
+            if func.__name__ == "__set__":
+                self.writes.assigned(args[0])
+            else:
+                self.writes.viewed(args[0], result)
+            return result
+        written = written_tensors(func, args, kwargs)
+        if written:
+            self.writes.before_write(written, getattr(func, "__name__", str(func)), self.step)
+        if draws(func):
+            return self.random.call(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+_PLAIN, _VIEW, _OTHER = 0, 1, 2
+_KINDS: dict[Any, int] = {}
+"""Each torch function seen in a replica, by what the guard does with it: nothing, a view of a tensor, more."""
+
+
+def _kind(func: Any) -> int:
+    if func is _DETACH or getattr(func, "__self__", None) is _DATA:
+        return _VIEW
+    name = getattr(func, "__name__", "")
+    if name.endswith("_") or name == "__setitem__" or draws(func):
+        return _OTHER
+    return _PLAIN
+
+
+class ReplicaStates:
+    """What the replicas of each call reach in common, made each one's own for the call and settled after it."""
+
+    def __init__(self) -> None:
+        self._default = DefaultGenerator()
+        self._generators: list[dict[torch.device, torch.Generator]] = []
+        self._writes: list[ParameterWrites] = []
+        self._seed: StepSeed | None = None
+
+    def begin(self, aliases: Sequence[dict[int, torch.Tensor]], step: str) -> list[ReplicaGuard]:
+        """One guard per replica of a call about to run; ``aliases[i]`` maps each parameter's ``id`` to replica i's."""
+        while len(self._generators) < len(aliases):
+            self._generators.append({})
+        seed = self._seed = self._default.begin()
+        self._writes = [ParameterWrites(own) for own in aliases]
+        return [
+            ReplicaGuard(writes, ReplicaRandom(index, seed, self._generators[index]), step)
+            for index, writes in enumerate(self._writes)
+        ]
+
+    def settle(self, module: nn.Module, step: str) -> None:
+        """After the call: parameters the replicas changed alike are changed once, or the call is refused."""
+        writes, self._writes = self._writes, []
+        seed, self._seed = self._seed, None
+        if any(replica.changed for replica in writes):
+            named = dict(module.named_parameters())
+            parameters.settle(
+                writes,
+                {id(parameter): parameter for parameter in named.values()},
+                {id(parameter): name for name, parameter in named.items()},
+                step,
+            )
+        if seed is not None:
+            self._default.settle(seed)
