@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import operator
 import types
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -55,7 +56,7 @@ class ReplicaCache:
         self._kept_buffers: list[tuple[nn.Module, nn.Module]] = []
         self._isolated: list[Isolated] = []
         self._aliases: list[dict[int, torch.Tensor]] = []
-        self._attributes: list[list[tuple[tuple[str, ...], list[Any]]]] = []
+        self._attributes: list[_Attributes] = []
         self._states = ReplicaStates()
 
     @property
@@ -377,19 +378,12 @@ class _Structure:
                     mapping[id(buffer)] = replica
         return mapping
 
-    def snapshot(self, count: int) -> list[list[tuple[tuple[str, ...], list[Any]]]]:
-        """The attributes of the first ``count`` replicas' shells as the call begins: names and values, in order."""
-        return [
-            [(tuple(shell.__dict__), list(shell.__dict__.values())) for shell in self.current[index]]
-            for index in range(count)
-        ]
+    def snapshot(self, count: int) -> list[_Attributes]:
+        """The attributes of the first ``count`` replicas' shells as the call begins, every module's in one list."""
+        return [_Attributes([shell.__dict__ for shell in self.current[index]]) for index in range(count)]
 
     def settle_assignments(
-        self,
-        before: list[list[tuple[tuple[str, ...], list[Any]]]],
-        sizes: Sequence[int] | None,
-        device: torch.device,
-        step: str,
+        self, before: list[_Attributes], sizes: Sequence[int] | None, device: torch.device, step: str
     ) -> None:
         """Give the module the plain attributes the replicas assigned, as one device assigns them, or refuse them.
 
@@ -399,15 +393,13 @@ class _Structure:
         attributes that the module's library code recomputes are torch's, Lightning's or the library's to keep.
         """
         changed: dict[int, set[str]] = {}
-        for index, modules in enumerate(before):
-            shells = self.current[index]
-            for position, old in enumerate(modules):
-                state = shells[position].__dict__
-                if len(state) == len(old[1]) and all(map(operator.is_, state.values(), old[1])):
-                    continue  # the common case, at C speed: nothing assigned
-                names = self._changed_names(state, old, position)
-                if names:
-                    changed.setdefault(position, set()).update(names)
+        for attributes in before:
+            if attributes.unchanged():
+                continue  # the common case, at C speed: nothing assigned in any module of the replica
+            for position, names in attributes.changed():
+                assignable = {name for name in names if self._assignable(position, name)}
+                if assignable:
+                    changed.setdefault(position, set()).update(assignable)
         assigned = [
             (self.originals[position], name, self._combined(position, name, sizes, device, step))
             for position, names in changed.items()
@@ -418,13 +410,6 @@ class _Structure:
                 delattr(original, name)
             else:
                 setattr(original, name, value)
-
-    def _changed_names(self, state: dict[str, Any], old: tuple[tuple[str, ...], list[Any]], position: int) -> set[str]:
-        """The assignable names whose value in ``state`` is not the one in ``old`` (names and values as it began)."""
-        before = dict(zip(*old, strict=True))
-        names = {name for name, value in state.items() if before.get(name, _MISSING) is not value}
-        names.update(before.keys() - state.keys())
-        return {name for name in names if self._assignable(position, name)}
 
     def _assignable(self, position: int, name: str) -> bool:
         return name[0] != "_" and not self.in_metrics[position] and not self._kept(position, name)
@@ -454,6 +439,33 @@ class _Structure:
                 step,
             )
         return combine_values(values, sizes, device, path, step, f"assigned {path}")
+
+
+class _Attributes:
+    """One replica's module attributes as its call begins, to find cheaply after it whether any was assigned."""
+
+    def __init__(self, states: list[dict[str, Any]]) -> None:
+        self.states = states
+        self.lengths = list(map(len, states))
+        self.values = list(itertools.chain.from_iterable(map(dict.values, states)))
+        self.keys = list(itertools.chain.from_iterable(states))
+
+    def unchanged(self) -> bool:
+        """Whether every module holds the same names with the very same values (identity, not equality)."""
+        return list(map(len, self.states)) == self.lengths and all(
+            map(operator.is_, itertools.chain.from_iterable(map(dict.values, self.states)), self.values)
+        )
+
+    def changed(self) -> Iterator[tuple[int, set[str]]]:
+        """Each module's position and the names assigned, added or deleted in it since the call began."""
+        start = 0
+        for position, (state, length) in enumerate(zip(self.states, self.lengths, strict=True)):
+            before = dict(zip(self.keys[start : start + length], self.values[start : start + length], strict=True))
+            start += length
+            names = {name for name, value in state.items() if before.get(name, _MISSING) is not value}
+            names.update(before.keys() - state.keys())
+            if names:
+                yield position, names
 
 
 def _check_stored_method(module: nn.Module, method: str) -> None:

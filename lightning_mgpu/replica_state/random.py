@@ -160,7 +160,7 @@ class DefaultGenerator:
 
     def settle(self, seed: StepSeed) -> None:
         """Warn once if the replicas drew from the default generator; advance it if they drew from their own."""
-        if not self._warned and seed.state.numpy().data != torch.random.get_rng_state().numpy().data:
+        if not self._warned and seed.state.numpy().tobytes() != torch.random.get_rng_state().numpy().tobytes():
             self._warned = True
             warnings.warn(
                 "Random numbers were drawn inside the replicas from torch's default generator, which every replica"
