@@ -29,7 +29,7 @@ from torchmetrics import Metric
 
 from lightning_mgpu.errors import ConfigurationError, ModelCheckError
 from lightning_mgpu.library_code import kept_by_library
-from lightning_mgpu.namespaces import INSTALLED
+from lightning_mgpu.namespaces import Namespace, imported
 
 
 def check_devices_exist(devices: Sequence[object], strategy_name: str) -> None:
@@ -217,16 +217,20 @@ def report(findings: list[Finding], strategy_name: str) -> None:
         )
 
 
-@functools.cache
 def _baseline() -> frozenset[str]:
     """Attribute names that torch and Lightning give every module, learnt by building one on first use.
 
     ``save_hyperparameters`` runs too, because Lightning stores part of what it saves (``_hparams_initial``) from a
-    function outside the class, where reading the class's source would not find it. The names of every installed
-    Lightning namespace's LightningModule count.
+    function outside the class, where reading the class's source would not find it. The names of every imported
+    Lightning namespace's LightningModule count, learnt again once a second one is imported.
     """
+    return _baseline_of(imported())
+
+
+@functools.cache
+def _baseline_of(namespaces: tuple[Namespace, ...]) -> frozenset[str]:
     names = frozenset(vars(nn.Module()))
-    for namespace in INSTALLED:
+    for namespace in namespaces:
         lightning_module = namespace.LightningModule()
         # A suspended generator's frame has no callers: Lightning, which looks for ``__init__`` arguments in the
         # frames above the one it is given, finds none, instead of taking a method of ours that calls ``super()``.

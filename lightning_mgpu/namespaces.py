@@ -1,4 +1,4 @@
-"""The Lightning namespaces installed, and what the package takes from each.
+"""The Lightning namespaces, and what the package takes from each once it is imported.
 
 Lightning installs its trainer twice: as ``lightning.pytorch`` (with ``lightning.fabric``) and as ``pytorch_lightning``
 (with ``lightning_fabric``), the same code with separate classes and separate strategy registries. A
@@ -7,12 +7,18 @@ Lightning installs its trainer twice: as ``lightning.pytorch`` (with ``lightning
 written once without a Lightning base and bound to every namespace found here (``Bindings``), and whatever Lightning
 class a piece checks against, raises or filters, it takes from the namespace of the class at hand (``namespace_of``).
 Lightning's string enums (``TrainerFn``, ``RunningStage``) compare equal across the namespaces and need none of this.
+
+Importing ``pytorch_lightning`` rebinds the rank-zero logger it shares with ``lightning.pytorch``, so nothing here
+imports it: ``pytorch_lightning_namespace`` is ``None`` until something else has, and a class of it at hand means it
+has been (``strategies/registry.py`` binds the package to it then, through ``import_hook.py``).
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+import sys
+import threading
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Generic, TypeVar
 
@@ -22,6 +28,10 @@ C = TypeVar("C", bound=type)
 def _from(module: str) -> Any:
     """A field for the class of the field's name in ``module``, ``{pytorch}`` and ``{fabric}`` being the packages."""
     return field(metadata={"module": module}, repr=False)
+
+
+def _in_packages(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == package or module.startswith(package + ".") for package in packages)
 
 
 @dataclass(frozen=True, eq=False)
@@ -51,7 +61,7 @@ class Namespace:
 
     def owns(self, module: str) -> bool:
         """Whether the module called ``module`` is part of this namespace."""
-        return any(module == package or module.startswith(package + ".") for package in (self.name, self.fabric))
+        return _in_packages(module, (self.name, self.fabric))
 
     @property
     def import_line(self) -> str:
@@ -77,20 +87,40 @@ def _load_if_installed(pytorch: str, fabric: str) -> Namespace | None:
 
 LIGHTNING = _load("lightning.pytorch", "lightning.fabric")
 """``lightning.pytorch``, which the package's public classes are bound to."""
-PYTORCH_LIGHTNING = _load_if_installed("pytorch_lightning", "lightning_fabric")
-"""``pytorch_lightning``, which Lightning 2.x installs next to ``lightning.pytorch``; ``None`` where it is not."""
-INSTALLED: tuple[Namespace, ...] = tuple(
-    namespace for namespace in (LIGHTNING, PYTORCH_LIGHTNING) if namespace is not None
-)
+PYTORCH_LIGHTNING_PACKAGES = ("pytorch_lightning", "lightning_fabric")
+"""The packages of the second namespace, which Lightning 2.x installs next to ``lightning.pytorch``."""
+
+_pytorch_lightning: Namespace | None = None
+_loading = threading.Lock()
+
+
+def pytorch_lightning_namespace() -> Namespace | None:
+    """``pytorch_lightning`` once it is imported; ``None`` before, or where it is not installed. Never imports it."""
+    global _pytorch_lightning
+    if _pytorch_lightning is None and sys.modules.get(PYTORCH_LIGHTNING_PACKAGES[0]) is not None:
+        with _loading:
+            if _pytorch_lightning is None:
+                _pytorch_lightning = _load_if_installed(*PYTORCH_LIGHTNING_PACKAGES)
+    return _pytorch_lightning
+
+
+def imported() -> tuple[Namespace, ...]:
+    """The namespaces imported so far: ``lightning.pytorch``, then ``pytorch_lightning`` once something imports it."""
+    second = pytorch_lightning_namespace()
+    return (LIGHTNING,) if second is None else (LIGHTNING, second)
 
 
 def namespace_of(cls: type) -> Namespace | None:
-    """The namespace of the first Lightning class in the MRO of ``cls``; ``None`` for a class with no Lightning base."""
+    """The namespace of the first Lightning class in the MRO of ``cls``; ``None`` for a class with no Lightning base.
+
+    A class of ``lightning_fabric`` alone, used while ``pytorch_lightning`` is not imported, has none.
+    """
     for klass in cls.__mro__:
         module = getattr(klass, "__module__", None) or ""
-        for namespace in INSTALLED:
-            if namespace.owns(module):
-                return namespace
+        if LIGHTNING.owns(module):
+            return LIGHTNING
+        if _in_packages(module, PYTORCH_LIGHTNING_PACKAGES) and (second := pytorch_lightning_namespace()) is not None:
+            return second
     return None
 
 
@@ -111,7 +141,7 @@ def mixed(classes: Mapping[str, type | None]) -> str | None:
     described = ", but ".join(
         f"{' and '.join(roles)} {'is' if len(roles) == 1 else 'are'} {name}'s" for name, roles in by_namespace.items()
     )
-    imports = " or ".join(f"`{namespace.import_line}`" for namespace in INSTALLED)
+    imports = " or ".join(f"`{namespace.import_line}`" for namespace in imported())
     return (
         f"{described}: Lightning's two namespaces do not mix, a Trainer of one runs no LightningModule or"
         f" LightningDataModule of the other. Import every Lightning class of the run from one of them ({imports}"
@@ -144,3 +174,7 @@ class Bindings(Generic[C]):
     def __contains__(self, cls: object) -> bool:
         """Whether ``cls`` is one of the bindings itself (not a subclass of one)."""
         return any(cls is bound for bound in self._by_namespace.values())
+
+    def __iter__(self) -> Iterator[C]:
+        """The bindings made so far, for a namespace imported after them to accept."""
+        return iter(list(self._by_namespace.values()))

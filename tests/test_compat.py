@@ -19,7 +19,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Seque
 
 from lightning_mgpu import _compat
 from lightning_mgpu._compat import with_sampler
-from lightning_mgpu.namespaces import INSTALLED, Namespace
+from lightning_mgpu.namespaces import Namespace, imported
 from lightning_mgpu.strategies.samplers import EvenlyShardedSampler
 
 
@@ -33,7 +33,7 @@ def _dataset(rows: int = 5) -> TensorDataset:
     return TensorDataset(torch.arange(float(rows)))
 
 
-@pytest.mark.parametrize("namespace", INSTALLED, ids=lambda namespace: namespace.name)
+@pytest.mark.parametrize("namespace", imported(), ids=lambda namespace: namespace.name)
 def test_with_sampler_rebuilds_the_loader_around_the_new_sampler(namespace: Namespace) -> None:
     data = _dataset()
     original = TaggedLoader(data, "mine", batch_size=2, sampler=DistributedSampler(data, num_replicas=2, rank=1))

@@ -38,12 +38,14 @@ from processes import single_device_parameters
 
 from lightning_mgpu import ConfigurationError, MGPUDDPStrategy, MGPUDPStrategy
 from lightning_mgpu.cli import main
-from lightning_mgpu.namespaces import INSTALLED, LIGHTNING, PYTORCH_LIGHTNING, Namespace, namespace_of
+from lightning_mgpu.namespaces import LIGHTNING, Namespace, imported, namespace_of, pytorch_lightning_namespace
 from lightning_mgpu.strategies import pytorch_lightning as bound
 from lightning_mgpu.strategies.ddp import MGPUDDPLogic, lightning_ddp_names
 from lightning_mgpu.strategies.dp import MGPUDPLogic
 
+PYTORCH_LIGHTNING = pytorch_lightning_namespace()
 assert PYTORCH_LIGHTNING is not None, "Lightning 2.x installs pytorch_lightning next to lightning.pytorch"
+INSTALLED = imported()
 TRAINERS = {"lightning.pytorch": L.Trainer, "pytorch_lightning": pl.Trainer}
 BINDINGS = {  # each strategy class by namespace: the public ones, and pytorch_lightning's
     "lightning.pytorch": {"dp": MGPUDPStrategy, "ddp": MGPUDDPStrategy},
@@ -316,9 +318,9 @@ def test_without_pytorch_lightning_the_package_binds_to_lightning_pytorch_alone(
     code = (
         "import sys; sys.modules['pytorch_lightning'] = None;"  # as if it were not installed
         "import lightning as L, lightning_mgpu;"
-        "from lightning_mgpu.namespaces import INSTALLED, PYTORCH_LIGHTNING;"
+        "from lightning_mgpu.namespaces import imported, pytorch_lightning_namespace;"
         "t = L.Trainer(accelerator='cpu', devices=2, strategy='mgpu_dp', logger=False);"
-        "print([namespace.name for namespace in INSTALLED], PYTORCH_LIGHTNING, type(t.strategy).__name__)"
+        "print([namespace.name for namespace in imported()], pytorch_lightning_namespace(), type(t.strategy).__name__)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert result.stdout.split()[-3:] == ["['lightning.pytorch']", "None", "MGPUDPStrategy"]

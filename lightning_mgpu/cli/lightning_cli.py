@@ -43,7 +43,15 @@ from lightning_mgpu._compat import parser_error_facts, rejected_option, rejected
 from lightning_mgpu.checks import check_gpus_exist
 from lightning_mgpu.cli import EXIT_USAGE, PROG
 from lightning_mgpu.errors import ConfigurationError
-from lightning_mgpu.namespaces import INSTALLED, LIGHTNING, PYTORCH_LIGHTNING, Bindings, Namespace, mixed, namespace_of
+from lightning_mgpu.namespaces import (
+    LIGHTNING,
+    PYTORCH_LIGHTNING_PACKAGES,
+    Bindings,
+    Namespace,
+    mixed,
+    namespace_of,
+    pytorch_lightning_namespace,
+)
 from lightning_mgpu.strategies.registry import close_names
 
 if TYPE_CHECKING:
@@ -303,7 +311,7 @@ class MGPULightningCLI(MGPULightningCLILogic, LightningCLI):
 
 def cli_for(namespace: Namespace) -> type[MGPULightningCLILogic]:
     """The command line's LightningCLI bound to ``namespace``."""
-    if namespace is PYTORCH_LIGHTNING:
+    if namespace is pytorch_lightning_namespace():
         from lightning_mgpu.cli import pytorch_lightning  # noqa: F401 - binds the classes to pytorch_lightning
     return MGPULightningCLILogic.bindings[namespace]
 
@@ -415,9 +423,9 @@ def _without_lightning_tips() -> Iterator[None]:
 
 
 _LIGHTNING_INFO_LOGGERS = tuple(
-    f"{package}.utilities.rank_zero" for namespace in INSTALLED for package in (namespace.name, namespace.fabric)
+    f"{package}.utilities.rank_zero" for package in (LIGHTNING.name, LIGHTNING.fabric, *PYTORCH_LIGHTNING_PACKAGES)
 )
-"""The loggers Lightning's ``rank_zero_info`` writes through, in every namespace."""
+"""The loggers Lightning's ``rank_zero_info`` writes through, in every namespace, imported yet or not."""
 
 
 def run_with_classes(model: str, data: str, args: Sequence[str], default_args: Sequence[str], prog: str) -> int:

@@ -19,7 +19,7 @@ from typing import Any
 import lightning.pytorch as pl
 import yaml
 
-from lightning_mgpu.namespaces import INSTALLED, LIGHTNING, namespace_of
+from lightning_mgpu.namespaces import LIGHTNING, imported, namespace_of
 
 _BATCH_HOOKS = ("on_before_batch_transfer", "on_after_batch_transfer")
 _SPEC_HELP = "package.module.ClassName (importable from the current directory) or path/to/file.py:ClassName"
@@ -129,7 +129,7 @@ def resolve(
             f"No {section} class: pass {option} as {_SPEC_HELP}, or a {section}: section with class_path in --config."
         )
     cls = load_class(spec, option)
-    if not issubclass(cls, tuple(getattr(namespace, base) for namespace in INSTALLED)):
+    if not issubclass(cls, tuple(getattr(namespace, base) for namespace in imported())):
         raise DoctorError(f"{option} {spec!r} is a {cls.__name__}, not a {base}; pass a {base}.")
     return cls, {**config_args, **dict(init_args or {})}
 

@@ -19,7 +19,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning_mgpu._compat import drop_forward_left_by_lightning
 from lightning_mgpu.checks import check_devices_exist, check_model, report
 from lightning_mgpu.errors import ConfigurationError
-from lightning_mgpu.namespaces import INSTALLED, LIGHTNING, Bindings, Namespace, mixed, namespace_of
+from lightning_mgpu.namespaces import LIGHTNING, Bindings, Namespace, imported, mixed, namespace_of
 from lightning_mgpu.resume import ExactResume
 
 if TYPE_CHECKING:
@@ -142,18 +142,23 @@ def bind_strategy(strategy: S) -> S:
     """Bind a strategy's logic to the namespace of its last base, a Lightning strategy class (a class decorator).
 
     Every Trainer accepts an instance of its own namespace's ``Strategy`` only (and checks ``ParallelStrategy`` and
-    ``DDPStrategy`` too), so the binding is registered as a virtual subclass of the other namespaces' class of the
-    same name as its Lightning base: an instance given to another namespace's Trainer is accepted, and becomes that
-    namespace's binding when the Trainer hands it its accelerator. A binding to a namespace other than
-    ``lightning.pytorch`` is registered under the public class too, so ``isinstance(trainer.strategy,
-    lightning_mgpu.MGPUDPStrategy)`` holds in either Trainer.
+    ``DDPStrategy`` too), so the binding is made acceptable to every other namespace imported (``accept_in``): an
+    instance given to another namespace's Trainer is accepted, and becomes that namespace's binding when the Trainer
+    hands it its accelerator. A binding to a namespace other than ``lightning.pytorch`` is registered under the
+    public class too, so ``isinstance(trainer.strategy, lightning_mgpu.MGPUDPStrategy)`` holds in either Trainer.
     """
     strategy.bindings(strategy)
-    own = namespace_of(strategy)
-    lightning_base = strategy.__bases__[-1]
-    for namespace in INSTALLED:
-        if namespace is not own:
-            getattr(namespace, lightning_base.__name__).register(strategy)
-    if own is not LIGHTNING:
+    for namespace in imported():
+        accept_in(namespace, strategy)
+    if namespace_of(strategy) is not LIGHTNING:
         strategy.bindings[LIGHTNING].register(strategy)
     return strategy
+
+
+def accept_in(namespace: Namespace, binding: type) -> None:
+    """Make ``namespace``'s Trainer accept ``binding``, a virtual subclass of its class named as the binding's base.
+
+    Called for each binding when it is made, and for every binding made before ``namespace`` was imported.
+    """
+    if namespace_of(binding) is not namespace:
+        getattr(namespace, binding.__bases__[-1].__name__).register(binding)
