@@ -93,6 +93,39 @@ def test_a_momentum_encoder_updated_in_the_step_moves_once_per_step_as_on_one_de
             assert_same_parameters(_fit(MomentumEncoder(form), devices), one_device)
 
 
+class _TimmEma(L.LightningModule):
+    """timm's own model EMA, kept as a submodule and updated at the start of ``training_step``."""
+
+    def __init__(self, version: int) -> None:
+        super().__init__()
+        from timm.utils import ModelEmaV2, ModelEmaV3
+
+        torch.manual_seed(0)
+        self.version = version
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 1)).double()
+        self.ema = (ModelEmaV3 if version == 3 else ModelEmaV2)(self.net, decay=0.9)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.version == 3:
+            self.ema.update(self.net, step=self.global_step)
+        else:
+            self.ema.update(self.net)
+        (x,) = batch
+        return (self.net(x) - self.ema.module(x).detach()).pow(2).mean() + self.net(x).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.net.parameters(), lr=0.1)
+
+
+@pytest.mark.libraries
+@pytest.mark.parametrize("version", [2, 3])
+def test_timms_model_ema_updated_in_the_step_equals_one_device(version: int) -> None:
+    one_device = _fit(_TimmEma(version), 1)
+    for devices in (2, 3):
+        for _ in range(2):
+            assert_same_parameters(_fit(_TimmEma(version), devices), one_device)
+
+
 class _ChangesFromItsRows(L.LightningModule):
     """Changes a parameter in place by a value of the replica's own rows, which no one device's value matches."""
 

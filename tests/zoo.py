@@ -7,6 +7,7 @@ and compares every parameter, buffer and logged value with one device.
 
 from __future__ import annotations
 
+import copy
 import functools
 import warnings
 from collections.abc import Callable, Mapping
@@ -530,6 +531,22 @@ class ReassignedCounter(MLP):
         return super().objective(batch)
 
 
+class MomentumTarget(MLP):
+    """BYOL's and MoCo's momentum encoder: a frozen copy of the network, moved towards it at the start of each step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.target = copy.deepcopy(self.net).requires_grad_(False)
+
+    def objective(self, batch: Any) -> torch.Tensor:
+        target = list(self.target.parameters())
+        with torch.no_grad():
+            torch._foreach_mul_(target, 0.9)
+            torch._foreach_add_(target, list(self.net.parameters()), alpha=0.1)
+        x, _ = batch
+        return super().objective(batch) + F.mse_loss(self(x), self.target(x))
+
+
 class Conv1dPool(ZooModule):
     def __init__(self) -> None:
         super().__init__()
@@ -666,6 +683,7 @@ class Entry:
 
 _ENTRIES = [
     Entry("mlp", MLP),
+    Entry("momentum-target", MomentumTarget),
     Entry("lstm-bidirectional", functools.partial(Recurrent, nn.LSTM, num_layers=2, bidirectional=True), sequences),
     Entry("lstm-packed", functools.partial(Recurrent, nn.LSTM, packed=True), sequences),
     Entry("gru-multilayer", functools.partial(Recurrent, nn.GRU, num_layers=2), sequences),
