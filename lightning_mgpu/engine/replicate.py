@@ -418,17 +418,10 @@ class _Structure:
         """One device's value of attribute ``name`` of module ``position`` (``_MISSING``: deleted), or refuse it."""
         original = self.originals[position]
         path = f"{_path(self.names[id(original)])}.{name}"
-        had = original.__dict__.get(name, _MISSING)
-        values = [shells[position].__dict__.get(name, _MISSING) for shells in self.current[: len(sizes or ())]]
-        unchanged = [index for index, value in enumerate(values) if value is had]
-        if unchanged or sizes is None:
-            raise ReplicaStateError(
-                f"{step} assigned {path} inside some replicas but not in replica {unchanged[0] if unchanged else 0},"
-                " so one device's value cannot be told. Assign it in every replica, or in the matching *_step_end"
-                " hook, where self is the module itself.",
-                path,
-                step,
-            )
+        if not sizes:  # a call without rows runs one replica, which never gets here
+            raise ReplicaStateError(f"{step} assigned {path} inside replicas that received no rows.", path, step)
+        # A replica that did not assign the attribute holds the module's value, which is what it computed alike or not.
+        values = [shells[position].__dict__.get(name, _MISSING) for shells in self.current[: len(sizes)]]
         if all(value is _MISSING for value in values):
             return _MISSING
         if any(value is _MISSING for value in values):
