@@ -25,10 +25,11 @@ Lightning and torchmetrics:
     cluster environment, the devices and ``num_nodes`` are known and before its own launcher checks run
     (``LaunchCheck``, covered by the Trainer-building tests of ``tests/test_launch_mismatch.py``), and removes the
     ``forward`` attribute Lightning's DDP strategy leaves on a module. Exact resume needs what Lightning does not
-    checkpoint (the epoch's logged aggregates, the position in the epoch) and what torchmetrics keeps out of the state
-    dict (a metric's update count), a faithful copy of a DataLoader with another sampler, which only Lightning's
-    private ``_update_dataloader`` builds, and the saved states of stateful DataLoaders, which Lightning drops when
-    the data is set up before the checkpoint's loops are loaded. ``MGPUDDPStrategy(uneven_batches=True)`` weights
+    checkpoint (the epoch's logged aggregates, the position in the epoch, whether an epoch of unknown length has run
+    out) and what torchmetrics keeps out of the state dict (a metric's update count), a faithful copy of a
+    DataLoader with another sampler, which only Lightning's private ``_update_dataloader`` builds, and the saved
+    states of stateful DataLoaders, which Lightning drops when the data is set up before the checkpoint's loops are
+    loaded. ``MGPUDDPStrategy(uneven_batches=True)`` weights
     logged values by the real rows of each rank's batch, which Lightning reads from its private result collection,
     and keeps the padding row out of epoch sums, maxima and minima kept there. It also judges the training
     DataLoader as the user's code built it, which only the fit loop's private data source returns. A metric merged
@@ -291,6 +292,15 @@ def batches_done_in_epoch(trainer: Any) -> int:
     ``on_train_batch_end`` is running.
     """
     return int(getattr(trainer.fit_loop.epoch_loop.batch_progress.current, "processed", 0))
+
+
+def last_batch_started(trainer: Any) -> bool:
+    """Whether the current epoch's last training batch has started, by the fit loop's progress tracker.
+
+    For a training DataLoader without a length (an ``IterableDataset``'s) it is the only sign that an epoch has run
+    out: the fit loop learns it by fetching one batch ahead and keeps it in a private progress field.
+    """
+    return bool(getattr(trainer.fit_loop.epoch_loop.batch_progress, "is_last_batch", False))
 
 
 def saved_dataloader_states(checkpoint: dict[str, Any]) -> list[Any]:
@@ -621,3 +631,87 @@ def move_averages_(averages: list[torch.Tensor], values: list[torch.Tensor], fac
     """
     torch._foreach_mul_(averages, 1 - factor)
     torch._foreach_add_(averages, values, alpha=factor)
+
+
+def log_checker(module: Any, log: Callable[..., None]) -> Callable[..., None]:
+    """``log`` (a namespace's ``LightningModule.log``) bound to a view of ``module`` that checks and records nothing.
+
+    A replica must refuse what ``self.log`` refuses, at the call, with Lightning's own exception, and only
+    ``LightningModule.log`` knows all it checks; but the Trainer's result collection it records into is shared and
+    not thread-safe. So the view reads as ``module`` (its modules, device, running hook and trainer) except for three
+    private fields: the trainer's ``_results`` is a ``_LogArguments`` of its own, its ``_logger_connector`` resets
+    nothing, and ``_metric_attributes`` is unset, so a replica's metrics are looked for among its own modules rather
+    than in the ids the module cached. ``tests/test_compat.py`` checks that a call leaves the Trainer's results alone.
+    """
+    trainer = module._trainer
+    if trainer is not None:
+        results = trainer._results
+        connector = _View(trainer._logger_connector, should_reset_tensors=lambda fx: False)
+        arguments = None if results is None else _LogArguments(results)
+        trainer = _View(trainer, _results=arguments, _logger_connector=connector)
+    view = _View(module, _trainer=trainer, _metric_attributes=None)
+
+    def check(*args: Any, **kwargs: Any) -> None:
+        log(view, *args, **kwargs)
+
+    return check
+
+
+class _View:
+    """Reads as ``target`` but for the attributes given; what code sets on it stays on it."""
+
+    def __init__(self, target: Any, **own: Any) -> None:
+        self.__dict__.update(own, _target=target)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_target"], name)
+
+
+class _LogArguments:
+    """Stands in for the result collection ``results``: refuses what recording refuses, records nothing.
+
+    ``_ResultCollection.log`` builds the private ``_Metadata`` of each call, which refuses ``on_step=False,
+    on_epoch=False`` and an unknown ``reduce_fx``, and refuses a name logged again in a hook with other metadata. Its
+    key is ``hook.name`` (with the dataloader index), and the earlier metadata is this stand-in's or, from an earlier
+    step, the one ``results`` holds. Building the metadata, not calling ``_ResultCollection.log``, because that also
+    creates and moves a torchmetrics metric per name, which costs more than the step's own logging.
+    """
+
+    def __init__(self, results: Any) -> None:
+        self._results = results
+        self._classes = sys.modules[type(results).__module__]
+        self.dataloader_idx = results.dataloader_idx
+        self._metadata: dict[str, Any] = {}
+
+    def log(
+        self,
+        fx: str,
+        name: str,
+        value: Any,
+        *,
+        add_dataloader_idx: bool,
+        batch_size: int | None,
+        sync_dist: bool,
+        sync_dist_fn: Callable[..., Any],
+        sync_dist_group: Any,
+        rank_zero_only: bool,
+        **fields: Any,
+    ) -> None:
+        key = f"{fx}.{name}"
+        if add_dataloader_idx and self.dataloader_idx is not None:
+            key += f".{self.dataloader_idx}"
+            fx += f".{self.dataloader_idx}"
+        meta = self._classes._Metadata(
+            fx=fx, name=name, add_dataloader_idx=add_dataloader_idx, dataloader_idx=self.dataloader_idx, **fields
+        )
+        meta.sync = self._classes._Sync(
+            _should=sync_dist, fn=sync_dist_fn, _group=sync_dist_group, rank_zero_only=rank_zero_only
+        )
+        earlier = self._metadata.get(key)
+        if earlier is None and key in self._results:
+            earlier = self._results[key].meta
+        if earlier is not None and meta != earlier:
+            raise self._classes.MisconfigurationException(
+                f"You called `self.log({name}, ...)` twice in `{fx}` with different arguments. This is not allowed"
+            )
+        self._metadata[key] = meta

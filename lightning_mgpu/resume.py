@@ -6,7 +6,9 @@ on other samples than the run it continues. The ``mgpu_*`` strategies store the 
 aggregates in the checkpoint. A plain DataLoader's sampler they wrap in ``ResumableSampler``, whose epoch seed they
 store and which skips the batches already trained on. A stateful DataLoader keeps its position by Lightning's
 protocol; the strategies only make sure its saved state reaches it (Lightning drops it when ``configure_optimizers``
-reads ``trainer.estimated_stepping_batches``, which sets the data up before the checkpoint's loops are loaded).
+reads ``trainer.estimated_stepping_batches``, which sets the data up before the checkpoint's loops are loaded). An
+``IterableDataset`` yields its samples itself, with no sampler to wrap: a plain DataLoader over one restarts the
+epoch from the dataset's first batch, as on one device, and a warning says so.
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from torch.utils.data import DataLoader, RandomSampler, Sampler
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
 
 from lightning_mgpu._compat import (
     batches_done_in_epoch,
+    last_batch_started,
     metric_states,
     restore_metric_states,
     restore_training_results,
@@ -151,6 +154,9 @@ class ExactResume:
                 dataloader.load_state_dict(self._loader_states.pop(0))  # type: ignore[attr-defined]
                 self._continue_epoch()
             return dataloader
+        if isinstance(dataloader.dataset, IterableDataset):
+            self._restart_epoch(dataloader.dataset)
+            return dataloader
         sampler = dataloader.sampler
         if isinstance(sampler, ResumableSampler) or dataloader.batch_size is None or not isinstance(sampler, Sampler):
             return dataloader
@@ -170,6 +176,19 @@ class ExactResume:
             return None
         self._at_first_batch = pending
         return pending
+
+    def _restart_epoch(self, dataset: IterableDataset) -> None:
+        """Resume an epoch of ``dataset`` as Lightning does, from its first batch, saying once what that costs.
+
+        Only the DataLoader's ``state_dict`` reaches the checkpoint; without one nothing knows where the dataset's
+        own iteration was, so the epoch's logged aggregates and metric states are left to start afresh too.
+        """
+        pending, self._resume_state = self._resume_state, None
+        if pending is None or not pending["skip_batches"]:
+            return
+        warnings.filterwarnings("ignore", message=_NOT_RESUMABLE_WARNING)  # the warning below says it, with the fix
+        if self.global_rank == 0:  # type: ignore[attr-defined]
+            warnings.warn(_restart_warning(dataset, pending["skip_batches"]), UserWarning, stacklevel=2)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Add what exact resume needs, per rank: the epoch's sample order and progress, RNG states, epoch metrics.
@@ -227,7 +246,7 @@ class ExactResume:
         if trainer is None or trainer.state.fn != TrainerFn.FITTING:
             return 0
         done = batches_done_in_epoch(trainer)  # this counts the batch whose on_train_batch_end saves
-        return done if 0 < done < trainer.num_training_batches else 0
+        return 0 if done >= trainer.num_training_batches or last_batch_started(trainer) else done
 
     def _trainer(self) -> pl.Trainer | None:
         module = self.lightning_module  # type: ignore[attr-defined]
@@ -243,6 +262,23 @@ class ExactResume:
     def _stage(self) -> RunningStage | None:
         trainer = self._trainer()
         return trainer.state.stage if trainer is not None else None
+
+
+def _restart_warning(dataset: IterableDataset, done: int) -> str:
+    name = type(dataset).__name__
+    ignored = (
+        f" Lightning checkpoints a DataLoader's state, not its dataset's: {name}.state_dict is not saved."
+        if keeps_its_position(dataset)
+        else ""
+    )
+    batches = "1 batch" if done == 1 else f"{done} batches"
+    return (
+        f"Resuming mid-epoch, after {batches} of the epoch, with a training DataLoader over the IterableDataset"
+        f" {name}, whose position is not in the checkpoint: the epoch starts again from the dataset's first batch,"
+        f" so the {batches} already done are trained on again (as on one device).{ignored} To resume after them,"
+        " give the DataLoader Lightning's state_dict/load_state_dict protocol (torchdata's StatefulDataLoader saves the"
+        " dataset's own state_dict), or resume from an end-of-epoch checkpoint."
+    )
 
 
 def _gather_objects(state: dict[str, Any]) -> list[dict[str, Any]]:

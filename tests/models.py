@@ -7,13 +7,14 @@ its strategies.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import lightning as L
 import pytorch_lightning as pl
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, TensorDataset
 
 from lightning_mgpu import MGPUMixin
 
@@ -240,3 +241,74 @@ class PositionKeepingLoader(DataLoader):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loaded = state
+
+
+class RegressionStream(IterableDataset):
+    """``regression_data``'s rows as a stream: an IterableDataset without a length, read from its first row."""
+
+    def __init__(self, rows: int = 20) -> None:
+        self.x, self.y = regression_data(rows)[:]
+        self.position = 0
+        """The rows yielded so far in the running iteration."""
+        self.start = 0
+        """Where the next iteration starts."""
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        start, self.start = self.start, 0
+        for row in range(start, len(self.x)):
+            self.position = row + 1
+            yield self.x[row], self.y[row]
+
+
+class SizedRegressionStream(RegressionStream):
+    """A ``RegressionStream`` that states its length, so Lightning knows where each epoch ends before it gets there."""
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+
+class StatefulRegressionStream(RegressionStream):
+    """Keeps its position by the ``state_dict``/``load_state_dict`` protocol; the next iteration resumes there."""
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.start = state["position"]
+
+
+class SizedStatefulRegressionStream(StatefulRegressionStream, SizedRegressionStream):
+    """A ``StatefulRegressionStream`` that states its length."""
+
+
+class DatasetStateLoader(DataLoader):
+    """Checkpoints its dataset's position as its own state, as torchdata's ``StatefulDataLoader`` does."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.dataset.state_dict()  # type: ignore[attr-defined, no-any-return]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.dataset.load_state_dict(state)  # type: ignore[attr-defined]
+
+
+class DictBacked(Mapping[str, Any]):
+    """A Mapping of one's own, as a step or a ``collate_fn`` may return: its items live in the dict it is given."""
+
+    def __init__(self, data: dict[str, Any]) -> None:
+        self._data = data
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+class KeywordsOnly(DictBacked):
+    """A Mapping built from keyword arguments only, so no call with a dict or with pairs can rebuild it."""
+
+    def __init__(self, *, loss: Any, errors: Any) -> None:
+        super().__init__({"loss": loss, "errors": errors})

@@ -103,7 +103,7 @@ CASES: dict[str, Case] = {
     ),
     "non-scalar logged in a replica": Case(
         lambda: _fit_dp(_model(training_step=lambda self, batch, i: (self.log("x", batch[0]), batch[0].sum())[1])),
-        ValueError, None, r"tensor of shape \(2, 4\) in replica \d.*log a scalar",
+        ValueError, None, r"the tensor must have a single element.*raised in replica \d",
     ),
     "dataloader_iter step under mgpu_dp": Case(
         lambda: _fit_dp(_model(training_step=lambda self, dataloader_iter: next(dataloader_iter)[0][0].sum())),

@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from models import PositionKeepingLoader
+from models import PositionKeepingLoader, RegressionStream, regression_data
 from processes import free_port
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler, TensorDataset
@@ -288,6 +288,27 @@ def test_batches_done_in_epoch_counts_the_running_batch() -> None:
     assert module.done == [1, 2, 3, 1, 2, 3]
 
 
+class _SeeingTheLastBatch(_Counting):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 1)
+        self.last: list[bool] = []
+
+    def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
+        self.last.append(_compat.last_batch_started(self.trainer))
+
+
+@pytest.mark.parametrize("sized", [True, False], ids=["TensorDataset", "IterableDataset"])
+def test_last_batch_started_holds_from_the_last_batch_of_each_epoch(sized: bool) -> None:
+    module = _SeeingTheLastBatch()
+    data = regression_data(rows=6) if sized else RegressionStream(rows=6)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False
+    )
+    trainer.fit(module, DataLoader(data, batch_size=2))
+    assert module.last == [False, False, True, False, False, True]
+
+
 def test_the_saved_states_of_stateful_training_dataloaders_are_found(tmp_path: Path) -> None:
     trainer = pl.Trainer(
         accelerator="cpu", max_steps=2, logger=False, enable_progress_bar=False, default_root_dir=str(tmp_path)
@@ -484,3 +505,63 @@ def test_move_averages_updates_every_tensor_as_the_one_tensor_ops_do(dtype: torc
     _compat.move_averages_(averages, values, 0.1)
     for after, wanted in zip(averages, expected, strict=True):  # the tensors given, updated in place
         torch.testing.assert_close(after, wanted, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("namespace", ["lightning.pytorch", "pytorch_lightning"])
+def test_log_checker_raises_what_self_log_raises_and_leaves_the_trainers_results_alone(namespace: str) -> None:
+    import pytorch_lightning
+    import pytorch_lightning.utilities.exceptions
+    import torchmetrics
+    from lightning.pytorch.utilities import exceptions as pl_exceptions
+    from models import PLRegressor, Regressor, loader, pl_trainer, regression_data, trainer
+
+    base, build, lightning_module, misconfiguration = {
+        "lightning.pytorch": (Regressor, trainer, pl.LightningModule, pl_exceptions.MisconfigurationException),
+        "pytorch_lightning": (
+            PLRegressor,
+            pl_trainer,
+            pytorch_lightning.LightningModule,
+            pytorch_lightning.utilities.exceptions.MisconfigurationException,
+        ),
+    }[namespace]
+    outcomes: list[BaseException | None] = []
+    seen: list[tuple[list[str], object]] = []
+
+    class Checks(base):  # type: ignore[misc,valid-type]
+        def __init__(self) -> None:
+            super().__init__()
+            self.total = torchmetrics.SumMetric()
+
+        def training_step(self, batch: object, batch_idx: int) -> torch.Tensor:
+            check = _compat.log_checker(self, lightning_module.log)
+            calls: list[tuple[tuple[object, ...], dict[str, object]]] = [
+                (("x", None), {}),
+                (("k", 1.0), {}),
+                (("k", 2.0), {}),
+                (("t", self.total), {}),  # one of the module's metrics
+                (("k", 3.0), {"prog_bar": True}),  # other arguments than this step's "k" before
+            ]
+            if batch_idx == 1:
+                calls = [(("j", 1.0), {"prog_bar": True})]  # other arguments than "j" had in the step before
+            for args, kwargs in calls:
+                try:
+                    check(*args, **kwargs)
+                except Exception as error:  # noqa: BLE001 - the outcome compared
+                    outcomes.append(error)
+                else:
+                    outcomes.append(None)
+            if batch_idx == 0:
+                seen.append((sorted(self.trainer._results), self._metric_attributes))
+            self.log("j", 1.0)
+            return super().training_step(batch, batch_idx)
+
+    build(max_steps=2).fit(Checks(), loader(regression_data(rows=8), 4))
+    none, first, again, metric, other_prog_bar, other_than_before = outcomes
+    assert isinstance(none, ValueError)
+    assert str(none) == "`self.log(x, None)` was called, but `NoneType` values cannot be logged"
+    assert (first, again, metric) == (None, None, None)
+    twice = "You called `self.log({}, ...)` twice in `training_step` with different arguments. This is not allowed"
+    for error, name in ((other_prog_bar, "k"), (other_than_before, "j")):
+        assert isinstance(error, misconfiguration)
+        assert str(error) == twice.format(name)
+    assert seen == [([], None)], "nothing recorded into the Trainer's results, nothing cached on the module"

@@ -68,6 +68,22 @@ def test_lightning_launcher_matches_one_device_with_twice_the_batch(tmp_path: Pa
 
 
 @pytest.mark.slow
+def test_an_iterable_dataset_is_read_whole_by_every_rank_as_lightnings_ddp_reads_it(tmp_path: Path) -> None:
+    """Lightning injects no sampler into an IterableDataset, so both ranks train on the same batches of 2 rows.
+
+    DDP averages two equal gradients: the run equals one device on batches of 2, as Lightning's ``ddp`` does.
+    """
+    result = run_ddp_script(tmp_path, "--stream")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = regression_data().tensors[0][:, 0].tolist()
+    for rank in (0, 1):
+        seen = rank_report(tmp_path, rank)["rows"]
+        assert sorted(seen) == ["0", "1"]
+        assert all(epoch_rows == pytest.approx(rows, abs=0) for epoch_rows in seen.values())
+    assert_same_parameters(torch.load(tmp_path / "params.pt"), single_device_parameters(batch=2))
+
+
+@pytest.mark.slow
 def test_torchrun(tmp_path: Path) -> None:
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),

@@ -10,6 +10,9 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from models import (
+    DictBacked,
+    KeywordsOnly,
+    RegressionStream,
     Regressor,
     StepEndRegressor,
     assert_same_parameters,
@@ -19,6 +22,7 @@ from models import (
     trainer,
 )
 from torch import nn
+from torch.utils.data import DataLoader, default_collate
 
 import lightning_mgpu
 from lightning_mgpu import MGPUDPStrategy, ReplicaStateError
@@ -499,6 +503,17 @@ def test_attributes_assigned_in_the_step_are_one_devices() -> None:
             assert_same_parameters(parameters(parallel), parameters(single))
 
 
+def test_an_attribute_assigned_by_a_replica_running_alone_reaches_the_module() -> None:
+    """A batch of one row runs one replica, on a shell of the module like any other: what it assigns is kept."""
+    single = _Remembering()
+    _fit(single, 1, max_steps=3)
+    parallel = _Remembering()
+    _fit(parallel, 1, devices=2, strategy="mgpu_dp", max_steps=3)
+    torch.testing.assert_close(parallel.last_loss, single.last_loss, atol=1e-6, rtol=0)
+    torch.testing.assert_close(parallel.last_x, single.last_x, atol=0, rtol=0)
+    assert parallel.steps_run == 3
+
+
 def test_an_attribute_assigned_a_count_of_the_replicas_rows_stops_the_step_with_the_module_unchanged() -> None:
     class CountsRows(Regressor):
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -635,3 +650,82 @@ def test_a_loss_weight_that_is_not_a_count_is_refused() -> None:
     with pytest.raises(ConfigurationError, match=r"'loss_weight' must be a number or a 0-dim tensor") as caught:
         trainer(max_steps=1, devices=2, strategy="mgpu_dp").fit(Listed(weighted=True), loader(_token_data(), 5))
     assert caught.value.setting == "LightningModule.training_step"
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_an_iterable_dataset_trains_as_on_one_device(devices: int) -> None:
+    single = Regressor()
+    trainer(max_epochs=2).fit(single, DataLoader(RegressionStream(), batch_size=4))
+    split = Regressor()
+    fitted = trainer(max_epochs=2, devices=devices, strategy="mgpu_dp")
+    fitted.fit(split, DataLoader(RegressionStream(), batch_size=4))
+    assert fitted.global_step == 10
+    assert_same_parameters(parameters(single), parameters(split))
+
+
+def _dict_backed_batch(rows: list[tuple[torch.Tensor, torch.Tensor]]) -> DictBacked:
+    x, y = default_collate(rows)
+    return DictBacked({"x": x, "y": y})
+
+
+class _DictBackedSteps(Regressor):
+    """Takes a ``DictBacked`` batch and returns ``DictBacked`` outputs; keeps what ``training_step_end`` receives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.received: list[tuple[type, dict[str, torch.Tensor]]] = []
+
+    def training_step(self, batch: DictBacked, batch_idx: int) -> DictBacked:
+        errors = (self(batch["x"]) - batch["y"]).pow(2).squeeze(1)
+        return DictBacked({"errors": errors, "first_feature": batch["x"][:, 0]})
+
+    def training_step_end(self, output: DictBacked) -> torch.Tensor:
+        self.received.append((type(output), {key: value.detach().clone() for key, value in output.items()}))
+        return output["errors"].mean()
+
+
+@pytest.mark.parametrize("devices", [1, 2, 3])
+def test_a_mapping_of_its_own_reaches_training_step_end_with_its_type_and_values(devices: int) -> None:
+    data = regression_data()
+    x, y = data.tensors
+    with torch.no_grad():
+        first_errors = (Regressor()(x[:5]) - y[:5]).pow(2).squeeze(1)
+    single = Regressor()
+    trainer(max_epochs=2).fit(single, loader(data, 5))
+    split = _DictBackedSteps()
+    trainer(max_epochs=2, devices=devices, strategy="mgpu_dp").fit(
+        split, DataLoader(data, batch_size=5, collate_fn=_dict_backed_batch)
+    )
+    assert [kind for kind, _ in split.received] == [DictBacked] * 8
+    torch.testing.assert_close(split.received[0][1]["errors"], first_errors, atol=1e-6, rtol=0)
+    torch.testing.assert_close(split.received[0][1]["first_feature"], x[:5, 0], atol=0, rtol=0)
+    assert_same_parameters(parameters(single), parameters(split))
+
+
+class _DictBackedLoss(Regressor):
+    def training_step(self, batch: Any, batch_idx: int) -> DictBacked:
+        return DictBacked({"loss": super().training_step(batch, batch_idx)})
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_a_mapping_of_its_own_holding_the_loss_reaches_lightning_without_training_step_end(devices: int) -> None:
+    single = Regressor()
+    trainer(max_epochs=2).fit(single, loader(regression_data(), 5))
+    split = _DictBackedLoss()
+    trainer(max_epochs=2, devices=devices, strategy="mgpu_dp").fit(split, loader(regression_data(), 5))
+    assert_same_parameters(parameters(single), parameters(split))
+
+
+def test_a_mapping_that_cannot_be_rebuilt_stops_the_step_with_a_gather_error() -> None:
+    class KeywordsOnlySteps(StepEndRegressor):
+        def training_step(self, batch: Any, batch_idx: int) -> KeywordsOnly:
+            x, y = batch
+            errors = (self(x) - y).pow(2).squeeze(1)
+            return KeywordsOnly(loss=errors.mean(), errors=errors)
+
+        def training_step_end(self, output: KeywordsOnly) -> torch.Tensor:
+            return output["errors"].mean()
+
+    with pytest.raises(GatherError, match="KeywordsOnly") as caught:
+        trainer(max_steps=1, devices=2, strategy="mgpu_dp").fit(KeywordsOnlySteps(), loader(regression_data(), 5))
+    assert (caught.value.path, caught.value.replica) == ("output", None)

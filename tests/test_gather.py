@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import pickle
 import warnings
-from collections import namedtuple
+from collections import OrderedDict, UserDict, defaultdict, namedtuple
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
 
 import pytest
 import torch
+from models import DictBacked, KeywordsOnly
 
 from lightning_mgpu import Fields, GatherError, PerSample
 from lightning_mgpu.engine import gather, weighted_mean
@@ -277,3 +280,33 @@ def test_a_gather_error_carries_the_path_and_the_replica(outputs: tuple, path: s
 def test_a_gather_error_keeps_its_facts_when_pickled() -> None:
     error = pickle.loads(pickle.dumps(GatherError("output['x'] differs", "output['x']", 1)))
     assert (str(error), error.path, error.replica) == ("output['x'] differs", "output['x']", 1)
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [DictBacked, OrderedDict, UserDict, MappingProxyType, lambda items: defaultdict(list, items)],
+    ids=["own", "OrderedDict", "UserDict", "MappingProxyType", "defaultdict"],
+)
+@pytest.mark.parametrize("replicas", [1, 2, 3])
+def test_a_mapping_is_gathered_with_its_type_as_torch_and_lightning_rebuild_it(kind: Any, replicas: int) -> None:
+    outputs = [{"inner": kind({"errors": torch.full((2,), float(index)), "index": index})} for index in range(replicas)]
+    gathered = gather(outputs, CPU, [2] * replicas)
+    inner = gathered["inner"]
+    assert type(inner) is type(outputs[0]["inner"])
+    assert list(inner.keys()) == ["errors", "index"]
+    assert inner["errors"].tolist() == [float(index) for index in range(replicas) for _ in range(2)]
+    assert inner["index"].tolist() == list(range(replicas))
+    if isinstance(inner, defaultdict):
+        assert inner.default_factory is list
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_mapping_that_cannot_be_rebuilt_is_refused_naming_its_type_path_and_fix(replicas: int) -> None:
+    outputs = [{"record": KeywordsOnly(loss=torch.tensor(1.0), errors=torch.ones(2))} for _ in range(replicas)]
+    with pytest.raises(GatherError) as caught:
+        gather(outputs, CPU, [2] * replicas)
+    assert (caught.value.path, caught.value.replica) == ("output['record']", None)
+    message = str(caught.value)
+    assert message.startswith("output['record'] is a KeywordsOnly")
+    assert "KeywordsOnly(a dict) raised TypeError" in message
+    assert "return a dict in its place" in message

@@ -430,22 +430,33 @@ class _EpochEndMean(L.LightningModule):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch[0], batch[1]
         loss = F.cross_entropy(self.layer(x), y)
-        self.validation_step_outputs.append(loss if self.append == "loss" else torch.tensor(len(x)))
+        if self.append == "dict":  # Lightning's checkpointing tests append a dict of the step's values
+            self.validation_step_outputs.append(
+                {"x": loss, "rows": F.cross_entropy(self.layer(x), y, reduction="none")}
+            )
+        else:
+            self.validation_step_outputs.append(loss if self.append == "loss" else torch.tensor(len(x)))
 
     def on_validation_epoch_end(self) -> None:
-        self.epoch_means.append(torch.stack(self.validation_step_outputs).double().mean())
+        if self.append == "dict":
+            losses = [output["x"] for output in self.validation_step_outputs]
+            rows = torch.cat([output["rows"] for output in self.validation_step_outputs])
+            self.epoch_means.append(torch.stack([torch.stack(losses).mean(), rows.mean()]))
+        else:
+            self.epoch_means.append(torch.stack(self.validation_step_outputs).double().mean())
         self.validation_step_outputs.clear()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
+@pytest.mark.parametrize("append", ["loss", "dict"])
 @pytest.mark.parametrize("devices", [2, 3])
-def test_a_loss_appended_per_step_and_averaged_at_the_epochs_end_equals_one_device(devices: int) -> None:
-    one_device = _EpochEndMean()
+def test_a_loss_appended_per_step_and_averaged_at_the_epochs_end_equals_one_device(devices: int, append: str) -> None:
+    one_device = _EpochEndMean(append)
     trainer(max_epochs=2).fit(one_device, _data(), _data(seed=1))
     for _ in range(2):
-        split = _EpochEndMean()
+        split = _EpochEndMean(append)
         trainer(max_epochs=2, devices=devices, strategy="mgpu_dp").fit(split, _data(), _data(1))
         assert len(split.epoch_means) == len(one_device.epoch_means) == 2
         for value, wanted in zip(split.epoch_means, one_device.epoch_means, strict=True):

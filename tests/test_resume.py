@@ -18,7 +18,21 @@ import pytorch_lightning as pl
 import torch
 import torchmetrics
 from lightning.pytorch.callbacks import ModelCheckpoint
-from models import PositionKeepingLoader, RegressorSteps, StepEndRegressor, loader, regression_data, trainer
+from models import (
+    DatasetStateLoader,
+    PositionKeepingLoader,
+    RegressionStream,
+    Regressor,
+    RegressorSteps,
+    SizedStatefulRegressionStream,
+    StatefulRegressionStream,
+    StepEndRegressor,
+    assert_same_parameters,
+    loader,
+    parameters,
+    regression_data,
+    trainer,
+)
 from processes import clean_env, free_port
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -200,3 +214,74 @@ def test_mid_epoch_resume_trains_on_the_rest_of_the_epoch_in_its_order(
     assert resumed.steps == straight.steps[15:]
     for (name, value), resumed_value in zip(straight.named_parameters(), resumed.parameters(), strict=True):
         torch.testing.assert_close(resumed_value, value, atol=1e-6, rtol=0, msg=name)
+
+
+_STREAMS: dict[str, tuple[type[RegressionStream], type[DataLoader]]] = {
+    "stateful-loader": (StatefulRegressionStream, DatasetStateLoader),
+    "stateful-loader-sized": (SizedStatefulRegressionStream, DatasetStateLoader),
+    "stateless": (RegressionStream, DataLoader),
+    "stateful-dataset-in-a-plain-loader": (StatefulRegressionStream, DataLoader),
+}
+"""An IterableDataset of 20 rows in batches of 4 (5 steps an epoch), and the DataLoader around it."""
+
+
+def _fit_stream(
+    folder: Path, stream: str, ckpt_path: Path | None = None, **overrides: Any
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Two epochs on ``stream``: the parameters after them and the warnings about resuming."""
+    dataset_class, loader_class = _STREAMS[stream]
+    model = Regressor()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(folder, max_epochs=2, **overrides).fit(
+            model, loader_class(dataset_class(), batch_size=4), ckpt_path=ckpt_path
+        )
+    return parameters(model), [str(warning.message) for warning in caught if "resum" in str(warning.message).lower()]
+
+
+def _straight_and_resumed(
+    tmp_path: Path, stream: str, every: int, checkpoint: str, **overrides: Any
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[str]]:
+    """A run checkpointed every ``every`` steps, and one resumed from its ``checkpoint``, with their warnings."""
+    name = overrides.get("strategy", "one-device")
+    saving = ModelCheckpoint(tmp_path / name / "checkpoints", every_n_train_steps=every, save_top_k=-1)
+    straight, _ = _fit_stream(tmp_path / name, stream, callbacks=[saving], enable_checkpointing=True, **overrides)
+    saved = tmp_path / name / "checkpoints" / checkpoint
+    resumed, warned = _fit_stream(tmp_path / f"{name}-resumed", stream, saved, **overrides)
+    return straight, resumed, warned
+
+
+@pytest.mark.parametrize("stream", list(_STREAMS))
+def test_a_mid_epoch_resume_of_an_iterable_dataset_continues_where_one_device_continues(
+    tmp_path: Path, stream: str
+) -> None:
+    """Resumed at step 8, the fourth batch of the second epoch, as one device resumes and with one warning at most.
+
+    A DataLoader that checkpoints the dataset's position resumes after the batches done (exactly, when the dataset
+    states its length; without one the fit loop has fetched one batch ahead, on one device too). Without it the epoch
+    restarts from the dataset's first batch, as on one device, and a warning says so once.
+    """
+    single, single_resumed, _ = _straight_and_resumed(tmp_path, stream, 4, "epoch=1-step=8.ckpt")
+    split, split_resumed, warned = _straight_and_resumed(
+        tmp_path, stream, 4, "epoch=1-step=8.ckpt", devices=2, strategy="mgpu_dp"
+    )
+    assert_same_parameters(split, single)
+    assert_same_parameters(split_resumed, single_resumed)
+    if stream == "stateful-loader-sized":
+        assert_same_parameters(split_resumed, split)
+    if _STREAMS[stream][1] is DatasetStateLoader:
+        assert warned == []
+        return
+    assert len(warned) == 1
+    assert "after 3 batches of the epoch" in warned[0]
+    assert f"IterableDataset {_STREAMS[stream][0].__name__}," in warned[0]
+    assert ("StatefulRegressionStream.state_dict is not saved" in warned[0]) == (stream != "stateless")
+
+
+def test_an_iterable_dataset_resumed_after_the_last_batch_of_an_epoch_continues_exactly(tmp_path: Path) -> None:
+    """Without a length only the fit loop knows an epoch ended: the checkpoint after its last batch is not mid-epoch."""
+    straight, resumed, warned = _straight_and_resumed(
+        tmp_path, "stateless", 5, "epoch=0-step=5.ckpt", devices=2, strategy="mgpu_dp"
+    )
+    assert warned == []
+    assert_same_parameters(resumed, straight)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from models import DictBacked, KeywordsOnly
 
 from lightning_mgpu import BatchSplitError, Fields, MGPUDataParallel, PerSample
 from lightning_mgpu.engine import chunk_sizes, scatter
@@ -489,3 +490,20 @@ def test_forward_reads_a_nested_list_that_reads_both_ways_as_its_earlier_calls_d
             wrapper.scatter_batch({"images": images, "boxes": square["boxes"]}, method="validation_step")
     finally:
         wrapper.close()
+
+
+def test_a_mapping_of_its_own_is_split_with_its_type() -> None:
+    batch = DictBacked({"x": torch.arange(6).reshape(3, 2), "names": ["a", "b", "c"]})
+    chunks, sizes = scatter(batch, CPU2)
+    assert sizes == [2, 1]
+    assert [type(chunk) for chunk in chunks] == [DictBacked, DictBacked]
+    assert chunks[1]["x"].tolist() == [[4, 5]]
+    assert chunks[1]["names"] == ["c"]
+
+
+def test_a_mapping_that_cannot_be_rebuilt_is_refused_naming_its_type_and_path() -> None:
+    batch = {"x": torch.ones(4, 2), "target": KeywordsOnly(loss=torch.ones(4), errors=torch.zeros(4))}
+    with pytest.raises(BatchSplitError) as caught:
+        scatter(batch, CPU2)
+    assert caught.value.path == "batch['target']"
+    assert str(caught.value).startswith("batch['target'] is a KeywordsOnly")

@@ -310,6 +310,20 @@ def combine_values(
         if isinstance(first, torch.Tensor):
             return weighted_mean(torch.stack([move_to(value, device) for value in values]), list(sizes))
         return sum(float(value) * rows for value, rows in zip(values, sizes, strict=True)) / sum(sizes)
+    if isinstance(first, dict) and all(type(value) is type(first) and value.keys() == first.keys() for value in values):
+        combined = copy.copy(first)  # a dict of a loss and per-row values: each entry by the rule
+        for key in first:
+            entries = [value[key] for value in values]
+            combined[key] = combine_values(entries, sizes, device, f"{path}[{key!r}]", step, what)
+        return combined
+    if isinstance(first, (list, tuple)) and all(
+        type(value) is type(first) and len(value) == len(first) for value in values
+    ):
+        items = [
+            combine_values([value[index] for value in values], sizes, device, f"{path}[{index}]", step, what)
+            for index in range(len(first))
+        ]
+        return type(first)(*items) if hasattr(first, "_fields") else type(first)(items)
     odd = next(
         (
             f", and in replica {index} {reason}"

@@ -92,7 +92,7 @@ def _gather(
             (key, _gather([output[key] for output in outputs], device, sizes, memory, f"{path}[{key!r}]"))
             for key in keys
         ]
-        return rebuild_mapping(first, items)
+        return rebuild_mapping(first, items, path)
     if is_dataclass_instance(first):
         return _gather_dataclass(outputs, device, sizes, memory, path)
     if isinstance(first, PerSample) or (
@@ -101,7 +101,8 @@ def _gather(
         and not isinstance(first, Fields)
         and _one_item_per_row(outputs, sizes, memory, path)
     ):
-        return rebuild_sequence(first, [move_to(item, device) for output in outputs for item in output])
+        items = [item for output in outputs for item in output]
+        return rebuild_sequence(first, [move_to(item, device, f"{path}[{i}]") for i, item in enumerate(items)])
     lengths = [len(output) for output in outputs]
     if len(set(lengths)) > 1:
         if sizes is None:

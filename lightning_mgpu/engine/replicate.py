@@ -125,14 +125,16 @@ class ReplicaCache:
         (``lightning_mgpu.replica_state``); ``None`` for a replica running alone, which shares nothing with another.
         """
         structure = self._structure
-        if structure is not None and structure.metrics is not None:
+        if structure is None:
+            return None
+        if structure.metrics is not None:
             structure.metrics.name(method)
+        # A replica running alone runs on a shell too: what it assigns reaches the module by the same rule.
+        self._attributes = structure.snapshot(len(self._aliases))
         if len(self._aliases) < 2:
             return None
-        if structure is not None:
-            if method is not None:
-                _check_stored_method(structure.originals[0], method)
-            self._attributes = structure.snapshot(len(self._aliases))
+        if method is not None:
+            _check_stored_method(structure.originals[0], method)
         return self._states.begin(self._aliases, method or "forward")
 
     def settle(self, sizes: Sequence[int] | None, device: torch.device, method: str | None) -> None:
@@ -153,6 +155,7 @@ class ReplicaCache:
         step = method or "forward"
         if structure is not None and len(self._aliases) > 1:
             self._states.settle(structure.originals[0], step)
+        if structure is not None and self._attributes:
             structure.settle_assignments(self._attributes, sizes, device, step)
         self._aliases, self._attributes = [], []
         if structure is not None and structure.metrics is not None:
@@ -418,10 +421,8 @@ class _Structure:
         """One device's value of attribute ``name`` of module ``position`` (``_MISSING``: deleted), or refuse it."""
         original = self.originals[position]
         path = f"{_path(self.names[id(original)])}.{name}"
-        if not sizes:  # a call without rows runs one replica, which never gets here
-            raise ReplicaStateError(f"{step} assigned {path} inside replicas that received no rows.", path, step)
         # A replica that did not assign the attribute holds the module's value, which is what it computed alike or not.
-        values = [shells[position].__dict__.get(name, _MISSING) for shells in self.current[: len(sizes)]]
+        values = [shells[position].__dict__.get(name, _MISSING) for shells in self.current[: len(sizes or [0])]]
         if all(value is _MISSING for value in values):
             return _MISSING
         if any(value is _MISSING for value in values):
@@ -431,6 +432,9 @@ class _Structure:
                 path,
                 step,
             )
+        if len(values) == 1:
+            return values[0]  # a replica running alone: its value is one device's
+        assert sizes is not None  # several replicas ran, on rows
         return combine_values(values, sizes, device, path, step, f"assigned {path}")
 
 

@@ -26,13 +26,14 @@ import dataclasses
 import enum
 import math
 import numbers
-from collections.abc import Iterable, Mapping, Sequence
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
 import torch
 
-from lightning_mgpu.errors import BatchSplitError, ConfigurationError
+from lightning_mgpu.errors import BatchSplitError, ConfigurationError, GatherError
 
 
 class PerSample(list[Any]):
@@ -325,26 +326,31 @@ def split_plain_tensors(
     return chunks, sizes, used
 
 
-def move_to(obj: Any, device: torch.device) -> Any:
-    """``obj`` with its tensors on ``device``; containers are rebuilt only when a tensor inside them moved."""
+def move_to(
+    obj: Any, device: torch.device, path: str = "value", error: Callable[[str, str], Exception] = GatherError
+) -> Any:
+    """``obj`` with its tensors on ``device``; containers are rebuilt only when a tensor inside them moved.
+
+    ``path`` and ``error`` are what ``rebuild_mapping`` raises with for a Mapping it cannot rebuild.
+    """
     if isinstance(obj, torch.Tensor):
         return obj.to(device, non_blocking=True)
     if obj is None or isinstance(obj, _ATOMS):  # names and ids: skip the slower container checks
         return obj
     if isinstance(obj, Mapping):
-        values = list(obj.values())
-        moved = [move_to(value, device) for value in values]
-        if all(new is old for new, old in zip(moved, values, strict=True)):
+        pairs = list(obj.items())
+        moved_items = [(key, move_to(value, device, f"{path}[{key!r}]", error)) for key, value in pairs]
+        if all(new is old for (_, new), (_, old) in zip(moved_items, pairs, strict=True)):
             return obj
-        return rebuild_mapping(obj, list(zip(obj.keys(), moved, strict=True)))
+        return rebuild_mapping(obj, moved_items, path, error)
     if is_dataclass_instance(obj):
         pairs = field_values(obj)
-        moved_pairs = [(name, move_to(value, device)) for name, value in pairs]
+        moved_pairs = [(name, move_to(value, device, f"{path}.{name}", error)) for name, value in pairs]
         if all(new is old for (_, new), (_, old) in zip(moved_pairs, pairs, strict=True)):
             return obj
         return rebuild_dataclass(obj, moved_pairs)
     if isinstance(obj, (list, tuple)):
-        moved = [move_to(value, device) for value in obj]
+        moved = [move_to(value, device, f"{path}[{index}]", error) for index, value in enumerate(obj)]
         if all(new is old for new, old in zip(moved, obj, strict=True)):
             return obj
         return type(obj)(*moved) if is_namedtuple(obj) else rebuild_sequence(obj, moved)
@@ -383,12 +389,65 @@ def rebuild_dataclass(original: Any, values: Iterable[tuple[str, Any]]) -> Any:
     return rebuilt
 
 
-def rebuild_mapping(original: Mapping, items: list[tuple[Any, Any]]) -> Mapping:
-    """A mapping of ``original``'s type, or a dict when that type cannot be built from key-value pairs."""
+def rebuild_mapping(
+    original: Mapping,
+    items: list[tuple[Any, Any]],
+    path: str = "output",
+    error: Callable[[str, str], Exception] = GatherError,
+) -> Mapping:
+    """A mapping of ``original``'s type holding ``items``, built as Lightning and torch build one.
+
+    Lightning's ``apply_to_collection`` and torch's ``default_collate`` call the type with a dict of the items
+    (``defaultdict`` with its factory first); a list of the pairs is tried next. What either call builds must be of
+    the type and hold the items and no others, or it is a mapping of other contents (a constructor that keeps its
+    argument as it is, say), which would fail later and far from here.
+
+    Raises:
+        GatherError: (or ``error``) naming ``path`` and the type, when neither call builds the mapping.
+    """
+    kind: Any = type(original)
+    values = dict(items)
+    if kind is dict:
+        return values
+    name = kind.__name__
+    if isinstance(original, defaultdict):
+        factory = original.default_factory
+        first = (f"{name}(default_factory, a dict)", lambda: kind(factory, values))
+    else:
+        first = (f"{name}(a dict)", lambda: kind(values))
+    attempts = [first, (f"{name}(a list of (key, value) pairs)", lambda: kind(items))]
+    failures = []
+    for call, build in attempts:
+        try:
+            rebuilt = build()
+        except Exception as exc:  # noqa: BLE001 - any failure of the user's constructor is reported below
+            failures.append(f"{call} raised {type(exc).__name__}: {exc}")
+            continue
+        if _holds(rebuilt, kind, values):
+            return rebuilt
+        failures.append(f"{call} built a {type(rebuilt).__name__} that does not hold those items")
+    raise error(
+        f"{path} is a {name}, a Mapping that cannot be rebuilt around new values: {'; '.join(failures)}."
+        " lightning_mgpu rebuilds a Mapping as torch's default_collate and Lightning's apply_to_collection do, by"
+        f" calling its type with a dict of its items. Give {name}.__init__ a first parameter that takes"
+        " such a dict as its items, or return a dict in its place.",
+        path,
+    )
+
+
+def _holds(rebuilt: Any, kind: Any, values: dict[Any, Any]) -> bool:
+    """Whether ``rebuilt`` is a ``kind`` holding ``values``, the very objects, and nothing else.
+
+    A type may leave out the keys whose value is ``None``, as transformers' ``ModelOutput`` does.
+    """
     try:
-        return type(original)(items)  # type: ignore[call-arg]
-    except TypeError:
-        return dict(items)
+        return (
+            type(rebuilt) is kind
+            and all(key in values for key in rebuilt)
+            and all(value is None or (key in rebuilt and rebuilt[key] is value) for key, value in values.items())
+        )
+    except Exception:  # noqa: BLE001 - a mapping that cannot even be read back holds other items
+        return False
 
 
 def rebuild_sequence(original: list | tuple, items: list[Any]) -> list | tuple:
@@ -429,8 +488,9 @@ class Cut(enum.Enum):
     WHOLE = enum.auto()
     """Any other value, given whole to every replica."""
     ITEMS = enum.auto()
-    """A per-sample sequence, sliced to the replica's items."""
+    """A per-sample sequence, sliced to the replica's items; its plan holds its key path."""
     MAPPING = enum.auto()
+    """A mapping; its plan holds its key path, for a type that cannot be rebuilt, and its values' plans."""
     DATACLASS = enum.auto()
     NAMEDTUPLE = enum.auto()
     SEQUENCE = enum.auto()
@@ -440,7 +500,6 @@ class Cut(enum.Enum):
 Plan = tuple[Cut, Any]
 _SPLIT_PLAN: Plan = (Cut.SPLIT, None)
 _WHOLE_PLAN: Plan = (Cut.WHOLE, None)
-_ITEMS_PLAN: Plan = (Cut.ITEMS, None)
 
 
 def _row_count(batch: Any) -> tuple[int, list[tuple[str, int, bool]]]:
@@ -540,15 +599,15 @@ class _Planner:
         if isinstance(obj, PerSample):
             if len(obj) != self.rows:
                 self.conflicts.append((path, f"{len(obj)} items"))
-            return _ITEMS_PLAN
+            return (Cut.ITEMS, path)
         if isinstance(obj, Mapping):
-            return (Cut.MAPPING, [self.plan(value, f"{path}[{key!r}]") for key, value in obj.items()])
+            return (Cut.MAPPING, (path, [self.plan(value, f"{path}[{key!r}]") for key, value in obj.items()]))
         if is_dataclass_instance(obj):
             return (Cut.DATACLASS, [(name, self.plan(value, f"{path}.{name}")) for name, value in field_values(obj)])
         if isinstance(obj, (list, tuple)):
             namedtuple = is_namedtuple(obj)
             if not namedtuple and not isinstance(obj, Fields) and self._by_items(obj, path):
-                return _ITEMS_PLAN
+                return (Cut.ITEMS, path)
             children = [self.plan(value, f"{path}[{index}]") for index, value in enumerate(obj)]
             return (Cut.NAMEDTUPLE if namedtuple else Cut.SEQUENCE, children)
         return _WHOLE_PLAN
@@ -648,13 +707,18 @@ def _take(obj: Any, plan: Plan, start: int, size: int, device: torch.device) -> 
     if kind is Cut.WHOLE:
         return obj
     if kind is Cut.ITEMS:
-        return rebuild_sequence(obj, [move_to(item, device) for item in obj[start : start + size]])
-    if kind is Cut.MAPPING:
+        path = children
         items = [
-            (key, _take(value, child, start, size, device))
-            for (key, value), child in zip(obj.items(), children, strict=True)
+            move_to(obj[index], device, f"{path}[{index}]", BatchSplitError) for index in range(start, start + size)
         ]
-        return rebuild_mapping(obj, items)
+        return rebuild_sequence(obj, items)
+    if kind is Cut.MAPPING:
+        path, plans = children
+        cut = [
+            (key, _take(value, child, start, size, device))
+            for (key, value), child in zip(obj.items(), plans, strict=True)
+        ]
+        return rebuild_mapping(obj, cut, path, BatchSplitError)
     if kind is Cut.DATACLASS:
         values = [(name, _take(getattr(obj, name), child, start, size, device)) for name, child in children]
         return rebuild_dataclass(obj, values)

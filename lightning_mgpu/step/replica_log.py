@@ -1,10 +1,13 @@
-"""``self.log`` inside replicas: recorded per replica, combined across replicas, logged once from the main thread.
+"""``self.log`` inside replicas: checked and recorded per replica, combined across replicas, logged once on the module.
 
 Lightning's result collection is not thread-safe and knows nothing of replicas, so replicas never touch it: each
-replica's ``log`` only records, and after the step the values of each name are combined (mean weighted by the rows
-each replica saw, or the ``reduce_fx`` given to ``self.log``) and handed to the real ``LightningModule.log``.
-A torchmetrics metric, or a value that calling one returned, is logged as one device logs it instead: the module's
-own metric, into which every replica's copy was merged, or one device's value of that call.
+replica's ``log`` runs the checks of Lightning's own ``LightningModule.log`` (so it raises what one device raises,
+where one device raises it) and records the call. After the step each recorded call is logged on the module from the
+main thread, in order: the n-th call of a name combines the n-th calls of the replicas that made one (a mean weighted
+by the rows each replica saw, or the ``reduce_fx`` given), so a name logged twice in a step is logged twice on the
+module, as on one device (the last value on step, both in the epoch's aggregate). A torchmetrics metric, or a value
+that calling one returned, is logged as one device logs it instead: the module's own metric, into which every
+replica's copy was merged, or one device's value of that call.
 
 ``reduce_fx`` takes exactly what ``LightningModule.log`` takes, and means the same across replicas as Lightning
 makes it mean across steps and processes.
@@ -12,46 +15,63 @@ makes it mean across steps and processes.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from torch import nn
 from torchmetrics import Metric
 
+from lightning_mgpu._compat import log_checker
 from lightning_mgpu.engine.reduce import reduce_op_name, weighted_mean
 from lightning_mgpu.errors import ReplicaStateError
 from lightning_mgpu.namespaces import LIGHTNING, Namespace
 
+Record = tuple[str, Any, dict[str, Any]]
+"""One ``self.log`` call: the name, the value, and the options given, by name (positional ones too)."""
+
 
 class ReplicaLog:
-    """Stands in for ``LightningModule.log`` on one replica; ``log_dict`` reaches it through ``self.log``."""
+    """Stands in for ``LightningModule.log`` on one replica; ``log_dict`` reaches it through ``self.log``.
 
-    def __init__(self, index: int, rows: int, namespace: Namespace = LIGHTNING) -> None:
+    Args:
+        index: the replica's index.
+        rows: the rows of the batch the replica received, which weigh its values.
+        namespace: the module's Lightning namespace, whose ``LightningModule.log`` this stands in for.
+        module: the replica. With it, every call is checked where it is made, as ``LightningModule.log`` checks it on
+            the replica; without it, what Lightning refuses is refused when the calls are logged on the module.
+    """
+
+    def __init__(
+        self, index: int, rows: int, namespace: Namespace = LIGHTNING, module: nn.Module | None = None
+    ) -> None:
         self.index = index
         self.rows = rows
         self.namespace = namespace
-        self.records: list[tuple[str, Any, dict[str, Any]]] = []
+        self.records: list[Record] = []
+        self._check = None if module is None else log_checker(module, namespace.LightningModule.log)
 
-    def __call__(self, name: str, value: Any, **kwargs: Any) -> None:
-        """Record ``self.log(name, value, **kwargs)``, checked as ``LightningModule.log`` would check it."""
-        if not isinstance(value, (torch.Tensor, numbers.Number, Metric)):
-            raise TypeError(
-                f"self.log({name!r}, ...) got a {type(value).__name__} in replica {self.index}; log a number or a"
-                " scalar tensor, or use self.log_dict for a dict."
-            )
-        if isinstance(value, torch.Tensor) and value.numel() != 1:
-            raise ValueError(
-                f"self.log({name!r}, ...) got a tensor of shape {tuple(value.shape)} in replica {self.index}; log a"
-                " scalar (reduce it in the step), or log per-sample values from the *_step_end hook."
-            )
-        reduction(name, kwargs.get("reduce_fx", "mean"), self.index, self.namespace)
-        self.records.append((name, value, kwargs))
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        """Record ``self.log(*args, **kwargs)`` once Lightning's checks pass, which raise as on one device."""
+        if self._check is not None:
+            self._check(*args, **kwargs)
+        options = dict(zip(_parameters(self.namespace.LightningModule.log), args, strict=False)) | kwargs
+        name, value = options.pop("name"), options.pop("value")
+        self.records.append((name, value, options))
+
+
+@functools.cache
+def _parameters(log: Callable[..., None]) -> tuple[str, ...]:
+    """The names of ``log``'s parameters after ``self``, by which positional arguments are recorded."""
+    return tuple(inspect.signature(log).parameters)[1:]
 
 
 # What ``LightningModule.log`` accepts as ``reduce_fx``, besides these names in any letter case: the functions
-# themselves. Anything else Lightning rejects with a MisconfigurationException, and so do replicas.
+# themselves. Anything else Lightning rejects with a MisconfigurationException.
 _REDUCE_FUNCTIONS: tuple[tuple[Any, str], ...] = (
     (torch.mean, "mean"),
     (torch.sum, "sum"),
@@ -63,6 +83,13 @@ _REDUCE_FUNCTIONS: tuple[tuple[Any, str], ...] = (
 )
 
 
+def _reduction_of(reduce_fx: Any) -> str | None:
+    """``"mean"``, ``"sum"``, ``"max"`` or ``"min"`` for a ``reduce_fx`` Lightning accepts, else ``None``."""
+    if isinstance(reduce_fx, str):
+        return reduce_op_name(reduce_fx)
+    return next((meaning for function, meaning in _REDUCE_FUNCTIONS if reduce_fx is function), None)
+
+
 def reduction(name: str, reduce_fx: Any, index: int, namespace: Namespace = LIGHTNING) -> str:
     """The reduction ``reduce_fx`` stands for, ``"mean"``, ``"sum"``, ``"max"`` or ``"min"``, as Lightning reads it.
 
@@ -70,12 +97,9 @@ def reduction(name: str, reduce_fx: Any, index: int, namespace: Namespace = LIGH
         MisconfigurationException: ``namespace``'s, the module's own, for a ``reduce_fx`` that
             ``LightningModule.log`` rejects, as it would.
     """
-    meaning = reduce_op_name(reduce_fx) if isinstance(reduce_fx, str) else None
+    meaning = _reduction_of(reduce_fx)
     if meaning is not None:
         return meaning
-    for function, meaning in _REDUCE_FUNCTIONS:
-        if reduce_fx is function:
-            return meaning
     raise namespace.MisconfigurationException(
         f"self.log({name!r}, ..., reduce_fx={reduce_fx!r}) was called inside replica {index}. Lightning's self.log"
         " accepts reduce_fx 'mean' (or 'avg'), 'sum', 'max' or 'min', in any letter case, or torch.mean,"
@@ -87,38 +111,74 @@ def reduction(name: str, reduce_fx: Any, index: int, namespace: Namespace = LIGH
 Resolve = Callable[[Any, int], "tuple[Any, Any] | None"]
 """``MGPUDataParallel.resolve_logged``: what a value a replica logged is on one device, if a metric made it."""
 
+Entry = tuple[ReplicaLog, Any, dict[str, Any]]
+"""One replica's call: its log, the value, the options."""
+
 
 def replay(logs: Sequence[ReplicaLog], module: pl.LightningModule, device: torch.device, resolve: Resolve) -> None:
-    """Log every recorded name once on ``module``, with its values combined across the replicas that logged it."""
-    by_name: dict[str, list[tuple[ReplicaLog, Any, dict[str, Any]]]] = {}
-    for log in logs:
-        for name, value, kwargs in log.records:
-            by_name.setdefault(name, []).append((log, value, kwargs))
-    for name, entries in by_name.items():
-        kwargs = dict(entries[0][2])
+    """Log every recorded call once on ``module``, in order, with the replicas' values of it combined."""
+    for (name, _), entries in _calls(logs).items():
+        options = dict(entries[0][2])
         weights = _weights(entries)
-        if kwargs.get("batch_size") is not None:
-            kwargs["batch_size"] = int(sum(weights))
-        one_device = _metric_value(name, entries, resolve)
-        if one_device is not None:
-            module.log(name, one_device, **kwargs)
-            continue
-        values = torch.stack([_as_tensor(value, device) for _, value, _ in entries])
-        combine = reduction(name, kwargs.get("reduce_fx", "mean"), entries[0][0].index, entries[0][0].namespace)
-        module.log(name, _combine(values, weights, combine), **kwargs)
+        if options.get("batch_size") is not None:
+            options["batch_size"] = int(sum(weights))
+        module.log(name, _one_device_value(name, entries, weights, device, resolve), **options)
 
 
-def _metric_value(name: str, entries: list[tuple[ReplicaLog, Any, dict[str, Any]]], resolve: Resolve) -> Any:
-    """The module's metric, or one device's value of a metric's call, that every replica logged as ``name``."""
+def _calls(logs: Sequence[ReplicaLog]) -> dict[tuple[str, int], list[Entry]]:
+    """Each name's n-th calls, from the replicas that made one, keyed ``(name, n)`` in the order they were made."""
+    calls: dict[tuple[str, int], list[Entry]] = {}
+    for log in logs:
+        made: dict[str, int] = {}
+        for name, value, options in log.records:
+            made[name] = made.get(name, -1) + 1
+            calls.setdefault((name, made[name]), []).append((log, value, options))
+    return calls
+
+
+def _one_device_value(
+    name: str, entries: list[Entry], weights: Sequence[float], device: torch.device, resolve: Resolve
+) -> Any:
+    """The value one device logs for this call; a value Lightning refuses is handed on as it is, to be refused."""
+    one_device = _metric_value(name, entries, resolve)
+    if one_device is not None:
+        return one_device
+    values = [value for _, value, _ in entries]
+    for value in values:
+        if not _is_scalar(value):
+            return value
+    combine = _reduction_of(entries[0][2].get("reduce_fx", "mean"))
+    if combine is None:
+        return values[0]
+    return _combine(torch.stack([_as_tensor(value, device) for value in values]), weights, combine)
+
+
+def _is_scalar(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1
+    return isinstance(value, numbers.Number)
+
+
+def _metric_value(name: str, entries: list[Entry], resolve: Resolve) -> Any:
+    """The module's metric, or one device's value of a metric's call, that every replica logged as ``name``.
+
+    A metric that is none of the module's is returned as it is, for ``LightningModule.log`` to refuse as on one
+    device; ``None`` when no replica logged a metric or a metric's value.
+    """
     resolved = [resolve(value, log.index) for log, value, _ in entries]
     if all(found is None for found in resolved):
-        if any(isinstance(value, Metric) for _, value, _ in entries):
-            raise TypeError(
-                f"self.log({name!r}, <Metric>) was called inside the replicas with a metric that is not an"
-                " attribute of the LightningModule (one made inside the step, say). Lightning logs a metric by the"
-                " attribute it is kept in: assign it in __init__ (self.metric = ...) and log that."
+        made_in_step = next((value for _, value, _ in entries if isinstance(value, Metric)), None)
+        attribute = entries[0][2].get("metric_attribute")
+        if made_in_step is not None and attribute is not None:
+            raise ReplicaStateError(
+                f"self.log({name!r}, <Metric>, metric_attribute={attribute!r}) was called inside the replicas with a"
+                " metric made inside the step, so each replica's holds only the rows that replica received and none"
+                " is one device's. Keep the metric as an attribute of the LightningModule (assigned in __init__) and"
+                " log that, or update it with the gathered outputs in the *_step_end hook.",
+                f"self.log({name!r})",
+                "self.log",
             )
-        return None
+        return made_in_step
     found = {id(item) for pair in resolved if pair is not None for item in pair if item is not None}
     if any(pair is None for pair in resolved) or len(found) != 1:
         raise ReplicaStateError(
@@ -139,7 +199,7 @@ def _as_tensor(value: Any, device: torch.device) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.get_default_dtype(), device=device)
 
 
-def _weights(entries: list[tuple[ReplicaLog, Any, dict[str, Any]]]) -> list[float]:
+def _weights(entries: list[Entry]) -> list[float]:
     """The ``batch_size`` each replica passed to ``self.log``, or else the rows each replica received."""
     given = [kwargs.get("batch_size") for _, _, kwargs in entries]
     if all(size is not None for size in given):

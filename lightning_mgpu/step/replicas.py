@@ -116,7 +116,7 @@ def prepare_replica(replica: nn.Module, index: int, num_replicas: int, device: t
     for submodule in modules_of(replica):
         set_lightning_device(submodule, device)
     setattr(replica, "manual_backward", _refuse_manual_backward)  # noqa: B010
-    log = ReplicaLog(index, rows, namespace_of(type(replica)) or LIGHTNING)
+    log = ReplicaLog(index, rows, namespace_of(type(replica)) or LIGHTNING, replica)
     setattr(replica, "log", log)  # noqa: B010 - an instance attribute shadows LightningModule.log
     return log
 
@@ -157,7 +157,7 @@ def combine_scalars(outputs: list[Any], sizes: list[int], gathered: Any, step: s
         }
         combined["loss"] = weighted_mean(gathered["loss"], counts)
         combined[LOSS_WEIGHT] = counts.sum()
-        return rebuild_mapping(gathered, [(key, combined[key]) for key in gathered])
+        return rebuild_mapping(gathered, [(key, combined[key]) for key in gathered], "output")
     return _combine(outputs, gathered, sizes, step, "output")
 
 
@@ -179,7 +179,7 @@ def _combine(values: list[Any], gathered: Any, sizes: list[int], step: str, path
             (key, _combine([value[key] for value in values], item, sizes, step, f"{path}[{key!r}]"))
             for key, item in gathered.items()
         ]
-        return rebuild_mapping(gathered, items)
+        return rebuild_mapping(gathered, items, path)
     if is_dataclass_instance(first) and is_dataclass_instance(gathered):
         fields = [
             (name, _combine([getattr(value, name) for value in values], item, sizes, step, f"{path}.{name}"))

@@ -149,7 +149,7 @@ def _leaves_mapped(value: Any, path: str, leaf: Callable[[Any, str], Any]) -> An
         return leaf(value, path)
     if isinstance(value, Mapping):
         return rebuild_mapping(
-            value, [(key, _leaves_mapped(item, f"{path}[{key!r}]", leaf)) for key, item in value.items()]
+            value, [(key, _leaves_mapped(item, f"{path}[{key!r}]", leaf)) for key, item in value.items()], path
         )
     if is_dataclass_instance(value):
         fields = [(name, _leaves_mapped(item, f"{path}.{name}", leaf)) for name, item in field_values(value)]

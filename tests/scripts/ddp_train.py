@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from models import Portable, Regressor, StepEndRegressor, regression_data  # noqa: E402
+from models import Portable, RegressionStream, Regressor, StepEndRegressor, regression_data  # noqa: E402
 
 import lightning_mgpu  # noqa: E402
 from lightning_mgpu.strategies.ddp import release_process_group_at_exit  # noqa: E402
@@ -26,13 +26,16 @@ from lightning_mgpu.strategies.ddp import release_process_group_at_exit  # noqa:
 class Data(L.LightningDataModule):
     """Rank r takes rows r, r + w, ...: per step the ranks together see the rows one device sees with batch w * b."""
 
-    def __init__(self, batch: int, shuffle_by_lightning: bool, val_rows: int) -> None:
+    def __init__(self, batch: int, shuffle_by_lightning: bool, val_rows: int, stream: bool = False) -> None:
         super().__init__()
         self.batch = batch
         self.shuffle_by_lightning = shuffle_by_lightning
         self.val_rows = val_rows
+        self.stream = stream
 
     def train_dataloader(self) -> DataLoader:
+        if self.stream:  # an IterableDataset, which every rank reads whole: no sampler shards it
+            return DataLoader(RegressionStream(), batch_size=self.batch)
         data = regression_data()
         if self.shuffle_by_lightning:
             indexed = TensorDataset(torch.arange(20.0).unsqueeze(1).repeat(1, 4), torch.zeros(20, 1))
@@ -133,6 +136,7 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(MODELS), default="Regressor")
     parser.add_argument("--strategy", choices=["mgpu_ddp", "ddp"], default="mgpu_ddp")
     parser.add_argument("--scenario", choices=["fit", "validate", "shuffle", "fail", "exit"], default="fit")
+    parser.add_argument("--stream", action="store_true", help="train on an IterableDataset, with Lightning's samplers")
     parser.add_argument("--fail-rank", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--ckpt-in", type=Path)
@@ -156,7 +160,7 @@ def main() -> None:
         num_nodes=args.num_nodes,
         strategy=strategy_class(timeout=timedelta(seconds=args.timeout)),
         max_epochs=args.epochs,
-        use_distributed_sampler=args.scenario in ("shuffle", "validate"),
+        use_distributed_sampler=args.scenario in ("shuffle", "validate") or args.stream,
         logger=False,
         enable_checkpointing=args.ckpt_in is None and args.scenario == "fit",
         default_root_dir=args.out,
@@ -170,7 +174,7 @@ def main() -> None:
         report_at_exit(args.out, trainer)
     if args.strategy == "ddp":
         release_process_group_at_exit()  # mgpu_ddp registers this itself; Lightning's ddp leaves gloo's threads running
-    data = Data(args.batch, shuffle_by_lightning=args.scenario == "shuffle", val_rows=args.val_rows)
+    data = Data(args.batch, shuffle_by_lightning=args.scenario == "shuffle", val_rows=args.val_rows, stream=args.stream)
     if args.scenario == "validate":
         trainer.validate(model, datamodule=data, verbose=False)
     else:
