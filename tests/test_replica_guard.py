@@ -358,3 +358,20 @@ def test_a_true_precision_sets_the_default_dtype_once_per_step_and_never_leaves_
         trainer(strategy="mgpu_dp", devices=2, precision=precision).test(model, data, verbose=False)
         assert torch.get_default_dtype() == torch.float32
         assert model.dtypes == [expected] * 6
+
+
+@pytest.mark.parametrize("func", [torch.rand_like, torch.randn_like])
+def test_like_functions_draw_from_the_replicas_generator_where_torch_gives_them_none(
+    func: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightning_mgpu.replica_state import random
+
+    monkeypatch.setitem(random._ACCEPTS, func, False)  # as torch releases before their generator= argument
+    like = torch.zeros(4, 3, dtype=torch.float64)
+    state = torch.random.get_rng_state()
+    draws = [random.ReplicaRandom(index, random.StepSeed(state), {}).call(func, (like,), {}) for index in (0, 0, 1)]
+    assert draws[0].dtype == torch.float64
+    assert draws[0].shape == (4, 3)
+    torch.testing.assert_close(draws[0], draws[1], atol=0, rtol=0)  # the same replica and step: the same numbers
+    assert not torch.equal(draws[0], draws[2])  # another replica: its own
+    assert torch.equal(torch.random.get_rng_state(), state)  # the default generator untouched

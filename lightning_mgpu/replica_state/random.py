@@ -50,9 +50,16 @@ _TAKE_A_GENERATOR = frozenset(
 _DROPOUT = (F.dropout, torch.dropout, torch.dropout_)
 
 
+_LIKE = {"rand_like": "uniform_", "randn_like": "normal_"}
+"""``*_like`` functions that older torch releases give no ``generator``: drawn as the tensor method named here."""
+
+
 def draws(func: Any) -> bool:
     """Whether ``func`` is a call this module gives a replica's own generator."""
-    return func in _DROPOUT or (getattr(func, "__name__", "") in _TAKE_A_GENERATOR and _takes_generator(func))
+    if func in _DROPOUT:
+        return True
+    name = getattr(func, "__name__", "")
+    return name in _TAKE_A_GENERATOR and (_takes_generator(func) or name in _LIKE)
 
 
 _ACCEPTS: dict[Any, bool] = {}
@@ -105,7 +112,13 @@ class ReplicaRandom:
             return self._dropout(func, args, kwargs)
         if kwargs.get("generator") is not None:
             return func(*args, **kwargs)
-        return func(*args, **kwargs, generator=self._generator(_device_of(args, kwargs)))
+        generator = self._generator(_device_of(args, kwargs))
+        if not _takes_generator(func):  # rand_like, randn_like before torch took a generator there
+            options = dict(kwargs)
+            requires_grad = options.pop("requires_grad", False)
+            tensor = getattr(torch.empty_like(*args, **options), _LIKE[func.__name__])(generator=generator)
+            return tensor.requires_grad_(requires_grad)
+        return func(*args, **kwargs, generator=generator)
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device.type == "cuda" and device.index is None:
