@@ -21,9 +21,9 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from benchmarks import models
-from benchmarks.modules import BenchModule, MixinBenchModule, StepTimer, quiet_lightning, trainer_for
+from benchmarks.modules import BenchModule, MixinBenchModule, StepTimer, mgpu_dp_trainer, quiet_lightning, trainer_for
 from benchmarks.phases import PHASES, PhaseTimer
-from lightning_mgpu import MGPUDPStrategy, MGPUMixin
+from lightning_mgpu import MGPUMixin
 from lightning_mgpu.engine import MGPUDataParallel
 
 CPU_VARIANTS = ("single", "single_2t", "mixin", "mgpu_dp", "raw", "raw_engine")
@@ -59,14 +59,11 @@ def _lightning(variant: str, spec: models.ModelSpec, devices: list[torch.device]
     module = MixinBenchModule(spec) if variant == "mixin" else BenchModule(spec)
     timer = StepTimer(spec.warmup, spec.steps)
     gpu = devices[0].type == "cuda"
-    strategy: str | MGPUDPStrategy = "auto"
-    trainer_devices: int | list[int] = [0] if gpu else 1
-    if variant == "mgpu_dp":
-        strategy, trainer_devices = "mgpu_dp", len(devices)
-        if gpu and len(set(devices)) < len(devices):  # Lightning refuses a repeated GPU; the strategy keeps its own
-            strategy, trainer_devices = MGPUDPStrategy(parallel_devices=devices), [0]
     steps = spec.warmup + spec.steps
-    trainer = trainer_for([timer], steps, strategy, trainer_devices, "gpu" if gpu else "cpu")
+    if variant == "mgpu_dp":
+        trainer = mgpu_dp_trainer([timer], steps, devices)
+    else:
+        trainer = trainer_for([timer], steps, "auto", [0] if gpu else 1, "gpu" if gpu else "cpu")
     batch = spec.batch * len(devices)
     trainer.fit(module, DataLoader(models.dataset(spec, batch * steps), batch_size=batch, shuffle=False))
     durations = timer.durations()

@@ -15,7 +15,7 @@ from typing_extensions import override
 
 from benchmarks.models import ModelSpec, ReplicaClock, build_net, loss_of, optimizer
 from benchmarks.phases import PhaseTimer
-from lightning_mgpu import MGPUMixin
+from lightning_mgpu import MGPUDPStrategy, MGPUMixin
 from lightning_mgpu.engine import MGPUDataParallel
 
 
@@ -123,6 +123,17 @@ def quiet_lightning() -> None:
     for message in ("does not have many workers", "GPU available but not used", "smaller than the logging interval",
                     "LeafSpec", "static graph"):  # fmt: skip
         warnings.filterwarnings("ignore", message=f".*{message}.*")
+
+
+def mgpu_dp_trainer(callbacks: list[L.Callback], steps: int, devices: list[torch.device]) -> L.Trainer:
+    """``trainer_for`` under ``mgpu_dp`` with one replica per entry of ``devices``.
+
+    A repeated GPU (two replicas on a machine's only card), which Lightning's ``devices`` refuses, is given to the
+    strategy itself, which keeps it.
+    """
+    if devices[0].type == "cuda" and len(set(devices)) < len(devices):
+        return trainer_for(callbacks, steps, MGPUDPStrategy(parallel_devices=devices), [0], "gpu")
+    return trainer_for(callbacks, steps, "mgpu_dp", len(devices), "gpu" if devices[0].type == "cuda" else "cpu")
 
 
 def trainer_for(callbacks: list[L.Callback], steps: int, strategy: Any, devices: Any, accelerator: str) -> L.Trainer:

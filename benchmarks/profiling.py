@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from benchmarks.models import ModelSpec, dataset
-from benchmarks.modules import BenchModule, StepTimer, quiet_lightning, trainer_for
+from benchmarks.modules import BenchModule, StepTimer, mgpu_dp_trainer, quiet_lightning
 
 LABELS = (
     ("lightning_mgpu.strategies.dp", "MGPUDPLogic._parallel_step", "mgpu::strategy_step"),
@@ -120,8 +120,7 @@ def profile_mgpu_dp(spec: ModelSpec, devices: list[torch.device], out: Path, tra
     timer = StepTimer(spec.warmup, spec.steps)
     steps, batch = spec.warmup + spec.steps, spec.batch * len(devices)
     window = _Window(timer, profiler.start, profiler.stop)
-    accelerator = "gpu" if devices[0].type == "cuda" else "cpu"
-    trainer = trainer_for([timer, window], steps, "mgpu_dp", len(devices), accelerator)
+    trainer = mgpu_dp_trainer([timer, window], steps, devices)
     with labelled():
         trainer.fit(BenchModule(spec), DataLoader(dataset(spec, batch * steps), batch_size=batch, shuffle=False))
     if trace:

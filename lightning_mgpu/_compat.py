@@ -614,10 +614,12 @@ def batch_norm_backward_parts(
     ``aten::native_batch_norm_backward`` in evaluation mode (``train=False``, the statistics passed as running ones)
     computes all three per channel in one call on every device; no public function gives them without building an
     autograd graph. Its signature has been the same in every torch this package supports; ``tests/test_compat.py``
-    checks the three against the formulas.
+    checks the three against the formulas. The saved statistics are passed empty rather than ``None``: CUDA's
+    kernel asserts they are defined, and reads the running ones when they are empty, as the CPU's does.
     """
+    unused = mean.new_empty(0)
     parts = torch.ops.aten.native_batch_norm_backward(
-        grad, x, weight, mean, variance, None, None, False, eps, [True, True, True]
+        grad, x, weight, mean, variance, unused, unused, False, eps, [True, True, True]
     )
     return parts[0], parts[1], parts[2]
 

@@ -234,6 +234,33 @@ def test_the_drop_in_wrapper_applies_a_forwards_identical_in_place_update_once()
         torch.testing.assert_close(output, module.layer(x) * 2, atol=1e-6, rtol=0)
 
 
+def test_a_compiled_module_in_the_replicas_is_not_recompiled_as_the_guard_meets_new_functions() -> None:
+    """The guard's cache of functions, filled as replicas meet them, must not become a guard of a compiled graph:
+    another replica's thread fills it while this one traces (seen on CUDA as a failed guard)."""
+    from lightning_mgpu.replica_state import guard
+
+    compiled = []
+
+    def backend(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
+        compiled.append(graph)
+        return graph.forward
+
+    torch._dynamo.reset()
+    layer = nn.Linear(4, 2)
+    wrapper = MGPUDataParallel(torch.compile(layer, backend=backend), [torch.device("cpu")] * 2)
+    try:
+        x = torch.randn(6, 4)
+        wrapper(x)
+        graphs = len(compiled)
+        guard._KINDS[object()] = guard._PLAIN  # what another replica's first use of a function does
+        torch.testing.assert_close(wrapper(x), layer(x), atol=1e-6, rtol=0)
+    finally:
+        wrapper.close()
+        torch._dynamo.reset()
+    assert graphs >= 1
+    assert len(compiled) == graphs
+
+
 class _Noisy(L.LightningModule):
     """Dropout, noise from ``torch.randn_like`` and a random mask in the step: every kind of draw torch routes."""
 

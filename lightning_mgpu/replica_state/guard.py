@@ -38,9 +38,15 @@ class ReplicaGuard(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        kind = _KINDS.get(func)
-        if kind is None:
-            kind = _KINDS[func] = _kind(func)
+        if torch.compiler.is_compiling():
+            # Traced by torch.compile: the cache shared by every replica would become a guard of the compiled graph
+            # that another replica's thread invalidates as it fills the cache (a recompile, or a failed guard).
+            kind = _kind(func)
+        else:
+            cached = _KINDS.get(func)
+            if cached is None:
+                cached = _KINDS[func] = _kind(func)
+            kind = cached
         if kind == _PLAIN and "out" not in kwargs:
             return func(*args, **kwargs)
         if kind == _VIEW:
