@@ -8,7 +8,14 @@ from typing import Any
 from lightning_mgpu.checks import Finding, allow_plain_tensors, check_model
 from lightning_mgpu.engine import MGPUDataParallel
 from lightning_mgpu.engine.scatter import Fields, PerSample
-from lightning_mgpu.errors import BatchSplitError, ConfigurationError, GatherError, ModelCheckError, ReplicaStateError
+from lightning_mgpu.errors import (
+    BatchSplitError,
+    ConfigurationError,
+    EpochRestartWarning,
+    GatherError,
+    ModelCheckError,
+    ReplicaStateError,
+)
 from lightning_mgpu.helpers import add_local_rank_argument, parse_local_rank, register_parameters, to_device_of, unwrap
 from lightning_mgpu.mixin import MGPUMixin
 from lightning_mgpu.strategies import MGPUDDPStrategy, MGPUDPStrategy
@@ -43,6 +50,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "BatchSplitError",
     "ConfigurationError",
+    "EpochRestartWarning",
     "Fields",
     "Finding",
     "GatherError",

@@ -54,12 +54,14 @@ class ReplicaStateError(RuntimeError):
         path: the attribute path of the state, as written in the step (``"self.val_outputs"``,
             ``"self.metrics['acc']"``).
         step: the method the replicas ran (``"training_step"``, ``"forward"``).
+        buffer: whether the state is a buffer of the module's (``register_buffer``).
     """
 
-    def __init__(self, message: str, path: str, step: str) -> None:
+    def __init__(self, message: str, path: str, step: str, *, buffer: bool = False) -> None:
         super().__init__(message)
         self.path = path
         self.step = step
+        self.buffer = buffer
 
     def __reduce__(self) -> tuple[Any, ...]:
         return type(self), (str(self), self.path, self.step), self.__dict__
@@ -101,3 +103,18 @@ class ModelCheckError(ValueError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return type(self), (str(self), self.findings), self.__dict__
+
+
+class EpochRestartWarning(UserWarning):
+    """A mid-epoch checkpoint resumes by restarting its epoch, as Lightning does; the message says why, and the fix.
+
+    Attributes:
+        loader: the class name of the training DataLoader.
+        cause: why the epoch's order cannot be continued: why ``loader`` is not re-created around a
+            ``ResumableSampler``, or that the checkpoint holds nothing that tells the order.
+    """
+
+    def __init__(self, message: str, loader: str, cause: str) -> None:
+        super().__init__(message)
+        self.loader = loader
+        self.cause = cause

@@ -9,21 +9,27 @@ protocol; the strategies only make sure its saved state reaches it (Lightning dr
 reads ``trainer.estimated_stepping_batches``, which sets the data up before the checkpoint's loops are loaded). An
 ``IterableDataset`` yields its samples itself, with no sampler to wrap: a plain DataLoader over one restarts the
 epoch from the dataset's first batch, as on one device, and a warning says so.
+
+The training DataLoader stays the user's own object wherever no order needs recording: a ``SequentialSampler``'s
+order needs no seed, so its loader is re-created only to resume mid-epoch. A DataLoader that cannot be re-created
+(an ``__init__`` argument not kept as an attribute) trains unchanged, as on one device; a mid-epoch checkpoint then
+restarts its epoch on resume, as Lightning does, and one warning says so when such a checkpoint is saved or resumed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
 import torch
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
 from lightning_mgpu._compat import (
     batches_done_in_epoch,
@@ -35,6 +41,7 @@ from lightning_mgpu._compat import (
     training_results_state,
     with_sampler,
 )
+from lightning_mgpu.errors import EpochRestartWarning
 
 STATE_KEY = "lightning_mgpu"
 _NOT_RESUMABLE_WARNING = (
@@ -48,14 +55,20 @@ class ResumableSampler(Sampler[int]):
     """Yields what ``sampler`` yields, remembering what its order depends on, so a resumed epoch can repeat it.
 
     ``RandomSampler`` draws a fresh seed from the global RNG at every epoch; this wrapper draws it the same way (so
-    the order equals the unwrapped sampler's) and keeps it. Deterministic samplers (sequential, distributed) need
-    nothing kept.
+    the order equals the unwrapped sampler's) and keeps it. A sampler with a generator of its own (torch's samplers
+    take ``generator=``) has that generator's state kept; any other sampler, the global RNG's state just before its
+    first index is drawn (``SubsetRandomSampler`` and ``WeightedRandomSampler`` draw their whole order there), which
+    a resumed epoch replays on a fork of the RNG. Deterministic samplers (sequential, distributed) are unaffected by
+    either.
     """
 
     def __init__(self, sampler: Sampler[int]) -> None:
         self.sampler = sampler
         self.epoch_seed: int | None = None
+        self.epoch_rng: torch.Tensor | None = None
+        """The state of the generator the epoch's order was drawn from, where it is not ``epoch_seed``'s."""
         self._resume_seed: int | None = None
+        self._resume_rng: torch.Tensor | None = None
         self._skip = 0
 
     def __len__(self) -> int:
@@ -66,18 +79,38 @@ class ResumableSampler(Sampler[int]):
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
 
-    def resume(self, seed: int | None, skip: int) -> None:
-        """Make the next epoch repeat the order of ``seed`` and start after its first ``skip`` indices."""
+    def resume(self, seed: int | None, skip: int, rng: torch.Tensor | None = None) -> None:
+        """Make the next epoch repeat the order of ``seed`` (or ``rng``) and start after its first ``skip`` indices."""
         self._resume_seed = seed
+        self._resume_rng = rng
         self._skip = skip
 
     def __iter__(self) -> Iterator[int]:
         skip, self._skip = self._skip, 0
         seed, self._resume_seed = self._resume_seed, None
-        indices = self._seeded_iter(seed) if self._draws_seed() else iter(self.sampler)
+        rng, self._resume_rng = self._resume_rng, None
+        indices = self._seeded_iter(seed) if self.draws_seed() else self._replayable_iter(rng)
         return itertools.islice(indices, skip, None) if skip else indices
 
-    def _draws_seed(self) -> bool:
+    def _replayable_iter(self, rng: torch.Tensor | None) -> Iterator[int]:
+        """The sampler's indices, its generator's state (or the global RNG's) kept first, or set to ``rng``."""
+        generator = getattr(self.sampler, "generator", None)
+        own = generator if isinstance(generator, torch.Generator) else None
+        if rng is not None and own is not None:
+            own.set_state(rng)
+        self.epoch_rng = own.get_state() if own is not None else rng if rng is not None else torch.get_rng_state()
+        with contextlib.ExitStack() as stack:
+            if rng is not None and own is None:  # replayed on a fork: the global RNG is as the checkpoint left it
+                stack.enter_context(torch.random.fork_rng(devices=[]))
+                torch.set_rng_state(rng)
+            indices = iter(self.sampler)
+            first = next(indices, None)  # where torch's samplers draw their order
+        if first is None:
+            return iter(())
+        return _chain(first, indices)
+
+    def draws_seed(self) -> bool:
+        """Whether the order depends on a seed drawn from the global RNG, which a resume must be told."""
         return isinstance(self.sampler, RandomSampler) and self.sampler.generator is None
 
     def _seeded_iter(self, seed: int | None) -> Iterator[int]:
@@ -95,6 +128,19 @@ class ResumableSampler(Sampler[int]):
         if first is None:
             return iter(())
         return _chain(first, indices)
+
+
+def _without_order(pending: dict[str, Any], sampler: ResumableSampler) -> bool:
+    """Whether a mid-epoch checkpoint holds nothing that tells ``sampler``'s order in its epoch.
+
+    A RandomSampler's order needs its seed, any other's the generator state it was drawn from, unless it is a
+    ``SequentialSampler``; checkpoints written before generator states were kept are trusted as they were then.
+    """
+    if sampler.draws_seed():
+        return pending["sampler_seed"] is None
+    if "sampler_rng" not in pending:
+        return False
+    return pending["sampler_rng"] is None and type(sampler.sampler) is not SequentialSampler
 
 
 def _chain(first: int, rest: Iterator[int]) -> Iterator[int]:
@@ -140,6 +186,12 @@ class ExactResume:
     """Strategy hooks that save and restore what exact resume needs; a base of both ``mgpu_*`` strategies."""
 
     _resumable: ResumableSampler | None = None
+    _not_recreated: EpochRestartWarning | None = None
+    _kept: DataLoader | None = None
+    """A training DataLoader left as given although it could need re-creating to resume a mid-epoch checkpoint."""
+    _warned_restart = False
+    _restarted_after = 0
+    """Batches of the running epoch that Lightning's loop counts as done and the sampler never yielded."""
     _resume_state: dict[str, Any] | None = None
     _at_first_batch: dict[str, Any] | None = None
     _loader_states: list[Any] | None = None
@@ -149,25 +201,57 @@ class ExactResume:
         dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
         if not (isinstance(dataloader, DataLoader) and self._stage() == RunningStage.TRAINING):
             return dataloader
+        self._resumable = self._not_recreated = self._kept = None
+        self._restarted_after = 0
         if keeps_its_position(dataloader):
             if self._loader_states:
                 dataloader.load_state_dict(self._loader_states.pop(0))  # type: ignore[attr-defined]
                 self._continue_epoch()
             return dataloader
-        if isinstance(dataloader.dataset, IterableDataset):
-            self._restart_epoch(dataloader.dataset)
+        dataset = dataloader.dataset
+        if isinstance(dataset, IterableDataset):
+            self._restart_epoch(lambda done: UserWarning(_restart_warning(dataset, done)))
             return dataloader
         sampler = dataloader.sampler
         if isinstance(sampler, ResumableSampler) or dataloader.batch_size is None or not isinstance(sampler, Sampler):
             return dataloader
-        wrapped = with_sampler(dataloader, ResumableSampler(sampler), self._namespace)  # type: ignore[attr-defined]
+        pending = self._resume_state if self._resume_state and self._resume_state["skip_batches"] else None
+        if pending is None and type(sampler) is SequentialSampler:
+            self._kept = dataloader  # its order needs no seed, and nothing is to be skipped
+            return dataloader
+        try:
+            wrapped = with_sampler(dataloader, ResumableSampler(sampler), self._namespace)  # type: ignore[attr-defined]
+        except Exception as error:  # noqa: BLE001 - whatever stops Lightning re-creating it, the loader trains as given
+            self._not_recreated = warning = _not_recreated(dataloader, str(error))
+            self._restart_epoch(lambda _: warning)
+            return dataloader
         assert isinstance(wrapped.sampler, ResumableSampler)
         self._resumable = wrapped.sampler
+        if pending is not None and _without_order(pending, wrapped.sampler):
+            self._restarted_after = pending["skip_batches"]  # the loop counts them, the sampler has not yielded them
+            self._restart_epoch(lambda done: _no_seed_warning(dataloader, done))  # its order is not known
+            return wrapped
         pending = self._continue_epoch()
         if pending is not None:
-            wrapped.sampler.resume(pending["sampler_seed"], skip=pending["skip_batches"] * dataloader.batch_size)
+            skip = pending.get("sampler_skip", pending["skip_batches"]) * dataloader.batch_size
+            wrapped.sampler.resume(pending["sampler_seed"], skip=skip, rng=pending.get("sampler_rng"))
             warnings.filterwarnings("ignore", message=_NOT_RESUMABLE_WARNING)
         return wrapped
+
+    def _check_recreatable(self) -> None:
+        """Before a mid-epoch checkpoint is kept: warn if resuming it will restart its epoch.
+
+        A loader left as given is re-created the way a resume would re-create it, and the copy dropped.
+        """
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            try:
+                resumable = ResumableSampler(kept.sampler)  # type: ignore[arg-type]
+                with_sampler(kept, resumable, self._namespace)  # type: ignore[attr-defined]
+            except Exception as error:  # noqa: BLE001 - as in process_dataloader
+                self._not_recreated = _not_recreated(kept, str(error))
+        if self._not_recreated is not None:
+            self._warn_restart(self._not_recreated)
 
     def _continue_epoch(self) -> dict[str, Any] | None:
         """The saved state of an epoch the training data now resumes mid-way; its first batch restores the rest."""
@@ -177,18 +261,23 @@ class ExactResume:
         self._at_first_batch = pending
         return pending
 
-    def _restart_epoch(self, dataset: IterableDataset) -> None:
-        """Resume an epoch of ``dataset`` as Lightning does, from its first batch, saying once what that costs.
+    def _restart_epoch(self, warning: Callable[[int], Warning]) -> None:
+        """Resume an epoch as Lightning does, from the loader's first batch, saying once what that costs.
 
-        Only the DataLoader's ``state_dict`` reaches the checkpoint; without one nothing knows where the dataset's
-        own iteration was, so the epoch's logged aggregates and metric states are left to start afresh too.
+        ``warning`` says it, given the number of batches done. As on one device, the epoch's logged aggregates and
+        metric states start afresh too.
         """
         pending, self._resume_state = self._resume_state, None
         if pending is None or not pending["skip_batches"]:
             return
-        warnings.filterwarnings("ignore", message=_NOT_RESUMABLE_WARNING)  # the warning below says it, with the fix
-        if self.global_rank == 0:  # type: ignore[attr-defined]
-            warnings.warn(_restart_warning(dataset, pending["skip_batches"]), UserWarning, stacklevel=2)
+        warnings.filterwarnings("ignore", message=_NOT_RESUMABLE_WARNING)  # ``warning`` says it, with the fix
+        self._warn_restart(warning(pending["skip_batches"]))
+
+    def _warn_restart(self, warning: Warning) -> None:
+        """Warn once a run, on rank 0: every reason an epoch restarts on resume has the same fix."""
+        if not self._warned_restart and self.global_rank == 0:  # type: ignore[attr-defined]
+            warnings.warn(warning, stacklevel=3)
+        self._warned_restart = True
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Add what exact resume needs, per rank: the epoch's sample order and progress, RNG states, epoch metrics.
@@ -197,11 +286,15 @@ class ExactResume:
         this on every rank, so the ranks can pool their states here; rank 0 writes them.
         """
         skip_batches = self._batches_done_mid_epoch()
+        if skip_batches:
+            self._check_recreatable()
         trainer = self._trainer()
         mid_epoch = trainer if skip_batches and trainer is not None else None
         state = {
             "sampler_seed": self._resumable.epoch_seed if self._resumable is not None else None,
+            "sampler_rng": self._resumable.epoch_rng if self._resumable is not None else None,
             "skip_batches": skip_batches,
+            "sampler_skip": skip_batches - self._restarted_after if skip_batches else 0,
             "rng": rng_states(),
             "results": training_results_state(mid_epoch) if mid_epoch else [],
             "metrics": metric_states(mid_epoch.lightning_module) if mid_epoch else {},
@@ -234,6 +327,8 @@ class ExactResume:
         Creating the resumed epoch's data iterator drew from the RNG once more than that run had at this point.
         """
         super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
+        if batch_idx == 0:
+            self._restarted_after = 0
         state, self._at_first_batch = self._at_first_batch, None
         trainer = self._trainer()
         if state is not None and trainer is not None:
@@ -262,6 +357,36 @@ class ExactResume:
     def _stage(self) -> RunningStage | None:
         trainer = self._trainer()
         return trainer.state.stage if trainer is not None else None
+
+
+def _not_recreated(dataloader: DataLoader, cause: str) -> EpochRestartWarning:
+    """What a mid-epoch checkpoint costs when ``dataloader`` trains unchanged, for ``cause``."""
+    name = type(dataloader).__name__
+    return EpochRestartWarning(
+        f"The training DataLoader {name} is not re-created around a sampler that records its epoch's order ({cause}),"
+        " so it trains as given, as on one device, and a run resumed from a mid-epoch checkpoint restarts that"
+        " epoch from the loader's first batch (in a new order if it shuffles), as Lightning does, instead of"
+        " continuing it. To resume exactly,"
+        f" keep every __init__ argument of {name} as an attribute of the same name, or give it Lightning's"
+        " state_dict/load_state_dict protocol (torchdata's StatefulDataLoader), or resume from an end-of-epoch"
+        " checkpoint.",
+        loader=name,
+        cause=cause,
+    )
+
+
+def _no_seed_warning(dataloader: DataLoader, done: int) -> EpochRestartWarning:
+    name = type(dataloader).__name__
+    cause = "the checkpoint holds nothing that tells its epoch's order (a seed or a generator's state)"
+    batches = "1 batch" if done == 1 else f"{done} batches"
+    return EpochRestartWarning(
+        f"Resuming mid-epoch, after {batches} of the epoch, from a checkpoint saved while the training DataLoader"
+        f" {name} could not be re-created around a sampler that records its epoch's order: {cause}, so the epoch"
+        " restarts from its first batch in a new order, as Lightning does. This run's checkpoints hold the order"
+        " again, so a run resumed from one of them continues exactly.",
+        loader=name,
+        cause=cause,
+    )
 
 
 def _restart_warning(dataset: IterableDataset, done: int) -> str:

@@ -250,7 +250,8 @@ def test_a_compiled_module_in_the_replicas_is_not_recompiled_as_the_guard_meets_
     wrapper = MGPUDataParallel(torch.compile(layer, backend=backend), [torch.device("cpu")] * 2)
     try:
         x = torch.randn(6, 4)
-        wrapper(x)
+        for _ in range(2):  # the first step of a kind looks for batch-norm calls in a mode of its own: a recompile
+            wrapper(x)
         graphs = len(compiled)
         guard._KINDS[object()] = guard._PLAIN  # what another replica's first use of a function does
         torch.testing.assert_close(wrapper(x), layer(x), atol=1e-6, rtol=0)
@@ -402,3 +403,85 @@ def test_like_functions_draw_from_the_replicas_generator_where_torch_gives_them_
     torch.testing.assert_close(draws[0], draws[1], atol=0, rtol=0)  # the same replica and step: the same numbers
     assert not torch.equal(draws[0], draws[2])  # another replica: its own
     assert torch.equal(torch.random.get_rng_state(), state)  # the default generator untouched
+
+
+class _Buffered(L.LightningModule):
+    """Buffers a step changes: a step counter (in place), a reassigned total, and optionally a mean of its own rows."""
+
+    def __init__(self, chunk_mean: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.chunk_mean = chunk_mean
+        self.layer = nn.Linear(4, 1).double()
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.register_buffer("total", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("input_mean", torch.zeros(4, dtype=torch.float64))
+        self.register_buffer("checked", torch.zeros((), dtype=torch.long))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        self.steps.add_(1)
+        self.total = self.total + 0.5
+        if self.chunk_mean:
+            self.input_mean.lerp_(x.mean(0), 0.1)
+        return self.layer(x).pow(2).mean()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.checked.add_(1)  # in inference mode, where copies of buffers keep no version counter
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _buffered_fit(model: _Buffered, devices: int) -> _Buffered:
+    data = DataLoader(TensorDataset(torch.randn(24, 4, dtype=torch.float64)), batch_size=6)
+    trainer(strategy="mgpu_dp" if devices > 1 else "auto", devices=devices, max_epochs=2).fit(model, data, data)
+    return model
+
+
+def test_buffers_every_replica_changes_alike_change_once_in_training_and_in_validation() -> None:
+    one_device = _buffered_fit(_Buffered(), 1)
+    for devices in (2, 3):
+        for _ in range(2):
+            model = _buffered_fit(_Buffered(), devices)
+            for name in ("steps", "total", "checked", "input_mean"):
+                torch.testing.assert_close(getattr(model, name), getattr(one_device, name), atol=0, rtol=0)
+            assert_same_parameters(parameters(model), parameters(one_device))
+    assert one_device.steps.item() == 8
+    assert one_device.checked.item() == 8
+
+
+def test_a_buffer_updated_from_each_replicas_rows_stops_the_first_step_with_the_module_unchanged() -> None:
+    for devices in (2, 3):
+        for _ in range(2):
+            model = _Buffered(chunk_mean=True)
+            before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+            with pytest.raises(ReplicaStateError, match=r"(?s)changed the buffer self\.input_mean inside the replicas"):
+                _buffered_fit(model, devices)
+            for name, tensor in model.state_dict().items():
+                assert torch.equal(tensor, before[name]), name
+
+
+def test_the_drop_in_wrapper_refuses_a_buffer_its_replicas_leave_apart_and_keeps_the_module() -> None:
+    class RunningMean(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("mean", torch.zeros(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.mean.copy_(x.mean(0))
+            return x
+
+    module = RunningMean()
+    wrapper = MGPUDataParallel(module, [torch.device("cpu")] * 2)
+    try:
+        with pytest.raises(ReplicaStateError) as caught:
+            wrapper(torch.arange(12.0).reshape(4, 3))
+        assert caught.value.path == "self.mean"
+        assert caught.value.buffer
+        assert "replicas 0 and 1 left it at different values (by up to 6)" in str(caught.value)
+        assert torch.equal(module.mean, torch.zeros(3))
+        wrapper(torch.ones(4, 3))  # the same value in every replica: once, as on one device
+        assert torch.equal(module.mean, torch.ones(3))
+    finally:
+        wrapper.close()

@@ -34,7 +34,15 @@ from models import (
     trainer,
 )
 from processes import clean_env, free_port
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import (
+    DataLoader,
+    RandomSampler,
+    SubsetRandomSampler,
+    TensorDataset,
+    WeightedRandomSampler,
+)
+
+from lightning_mgpu import EpochRestartWarning
 
 SCRIPT = Path(__file__).parent / "scripts" / "resume_train.py"
 
@@ -285,3 +293,185 @@ def test_an_iterable_dataset_resumed_after_the_last_batch_of_an_epoch_continues_
     )
     assert warned == []
     assert_same_parameters(resumed, straight)
+
+
+class _FlavouredLoader(DataLoader):
+    """Takes an ``__init__`` argument it does not keep, so Lightning cannot re-create it around another sampler."""
+
+    def __init__(self, dataset: Any, flavour: str, **kwargs: Any) -> None:
+        super().__init__(dataset, **kwargs)
+
+
+class _KeptFlavourLoader(_FlavouredLoader):
+    """``_FlavouredLoader`` with its argument kept as an attribute of the same name: Lightning can re-create it."""
+
+    def __init__(self, dataset: Any, flavour: str, **kwargs: Any) -> None:
+        super().__init__(dataset, flavour, **kwargs)
+        self.flavour = flavour
+
+
+class _SeedAtTrainStart(L.Callback):
+    """Seeds the global RNG where one device and ``mgpu_dp`` stand alike, so a shuffled restart draws one order."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        torch.manual_seed(7)
+
+
+def _fit_flavoured(
+    folder: Path, loader_class: type[DataLoader], shuffle: bool, ckpt_path: Path | None = None, **overrides: Any
+) -> tuple[dict[str, torch.Tensor], list[warnings.WarningMessage], bool]:
+    """Two epochs of 5 steps: the parameters, the warnings about resuming, and whether the loader trained as given."""
+    model = Regressor()
+    data = loader_class(regression_data(), "vanilla", batch_size=4, shuffle=shuffle)
+    saving = ModelCheckpoint(folder / "checkpoints", every_n_train_steps=3, save_top_k=-1)
+    run = trainer(folder, max_epochs=2, callbacks=[saving, _SeedAtTrainStart()], enable_checkpointing=True, **overrides)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run.fit(model, data, ckpt_path=ckpt_path)
+    about_resuming = [
+        warning
+        for warning in caught
+        if isinstance(warning.message, EpochRestartWarning) or "resuming" in str(warning.message).lower()
+    ]
+    return parameters(model), about_resuming, run.train_dataloader is data
+
+
+@pytest.mark.parametrize("shuffle", [False, True], ids=["sequential", "shuffled"])
+def test_a_loader_that_cannot_be_re_created_trains_and_resumes_as_on_one_device(tmp_path: Path, shuffle: bool) -> None:
+    """Trained as given, equal to one device; its mid-epoch checkpoint restarts the epoch, as one device's does.
+
+    Saved at steps 3, 6 and 9 and resumed at step 6 (1 batch into the second epoch, saving at step 9 again), each run
+    warns once, naming the loader and why it is not re-created.
+    """
+    single, _, _ = _fit_flavoured(tmp_path / "one-device", _FlavouredLoader, shuffle)
+    saved = tmp_path / "one-device" / "checkpoints" / "epoch=1-step=6.ckpt"
+    single_resumed, _, _ = _fit_flavoured(tmp_path / "one-device-resumed", _FlavouredLoader, shuffle, saved)
+    for attempt in range(2):
+        folder = tmp_path / f"mgpu_dp-{attempt}"
+        split, warned, as_given = _fit_flavoured(folder, _FlavouredLoader, shuffle, devices=2, strategy="mgpu_dp")
+        assert as_given
+        assert_same_parameters(split, single)
+        split_resumed, warned_resumed, _ = _fit_flavoured(
+            tmp_path / f"mgpu_dp-{attempt}-resumed", _FlavouredLoader, shuffle,
+            folder / "checkpoints" / "epoch=1-step=6.ckpt", devices=2, strategy="mgpu_dp",
+        )  # fmt: skip
+        assert_same_parameters(split_resumed, single_resumed)
+        for caught in (warned, warned_resumed):
+            assert [warning.category for warning in caught] == [EpochRestartWarning]
+            message = caught[0].message
+            assert isinstance(message, EpochRestartWarning)
+            assert message.loader == "_FlavouredLoader"
+            assert "['flavour']" in message.cause
+    assert str(message) == (
+        f"The training DataLoader _FlavouredLoader is not re-created around a sampler that records its epoch's order"
+        f" ({message.cause}), so it trains as given, as on one device, and a run resumed from a mid-epoch checkpoint"
+        " restarts that epoch from the loader's first batch (in a new order if it shuffles), as Lightning does,"
+        " instead of continuing it. To resume exactly, keep every __init__ argument of _FlavouredLoader as an"
+        " attribute of the same name, or give it Lightning's state_dict/load_state_dict protocol (torchdata's"
+        " StatefulDataLoader), or resume from an end-of-epoch checkpoint."
+    )
+
+
+def test_a_shuffled_epoch_saved_without_its_seed_restarts_even_when_the_loader_can_now_be_re_created(
+    tmp_path: Path,
+) -> None:
+    """The order of the interrupted epoch is unknown, so no batch is skipped: the epoch restarts, as on one device.
+
+    Its checkpoints hold the order again: resumed from the one at step 9, saved by the resumed run, it ends where that
+    run ended.
+    """
+    folder = tmp_path / "saved"
+    _fit_flavoured(folder, _FlavouredLoader, True, devices=2, strategy="mgpu_dp")
+    saved = folder / "checkpoints" / "epoch=1-step=6.ckpt"
+    single_resumed, _, _ = _fit_flavoured(tmp_path / "one-device", _KeptFlavourLoader, True, saved)
+    for attempt in range(2):
+        split_resumed, warned, _ = _fit_flavoured(
+            tmp_path / f"mgpu_dp-{attempt}", _KeptFlavourLoader, True, saved, devices=2, strategy="mgpu_dp"
+        )
+        assert_same_parameters(split_resumed, single_resumed)
+        assert [warning.category for warning in warned] == [EpochRestartWarning]
+        message = warned[0].message
+        assert isinstance(message, EpochRestartWarning)
+        assert (message.loader, message.cause) == (
+            "_KeptFlavourLoader",
+            "the checkpoint holds nothing that tells its epoch's order (a seed or a generator's state)",
+        )
+        assert "after 1 batch of the epoch" in str(message)
+        again = tmp_path / f"mgpu_dp-{attempt}" / "checkpoints" / "epoch=1-step=9.ckpt"
+        resumed_again, warned, _ = _fit_flavoured(
+            tmp_path / f"mgpu_dp-{attempt}-again", _KeptFlavourLoader, True, again, devices=2, strategy="mgpu_dp"
+        )
+        assert warned == []
+        assert_same_parameters(resumed_again, split_resumed)
+
+
+def test_a_sequential_loader_is_the_one_trained_on_and_resumes_exactly(tmp_path: Path) -> None:
+    """Its order needs no seed: a run not resumed mid-epoch iterates the given loader, a resumed one skips exactly."""
+    x, y = regression_data(rows=40)[:]
+    data = TensorDataset(x, y, torch.arange(40))
+
+    def fit(folder: Path, ckpt_path: Path | None = None) -> tuple[_OrderRecorded, bool, list[str]]:
+        model = _OrderRecorded(one_cycle=False)
+        given = DataLoader(data, batch_size=4)
+        saving = ModelCheckpoint(folder / "checkpoints", every_n_train_steps=3, save_top_k=-1)
+        run = trainer(
+            folder, max_epochs=2, devices=2, strategy="mgpu_dp", callbacks=[saving], enable_checkpointing=True
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run.fit(model, given, ckpt_path=ckpt_path)
+        return (
+            model,
+            run.train_dataloader is given,
+            [
+                str(w.message)
+                for w in caught
+                if "checkpoint that ended" in str(w.message) or isinstance(w.message, EpochRestartWarning)
+            ],
+        )
+
+    for attempt in range(2):
+        straight, as_given, warned = fit(tmp_path / f"straight-{attempt}")
+        assert as_given
+        assert warned == []
+        resumed, _, warned = fit(
+            tmp_path / f"resumed-{attempt}", tmp_path / "straight-0/checkpoints/epoch=1-step=15.ckpt"
+        )
+        assert warned == []
+        assert len(straight.steps) == 20
+        assert resumed.steps == straight.steps[15:]
+        for (name, value), resumed_value in zip(straight.named_parameters(), resumed.parameters(), strict=True):
+            torch.testing.assert_close(resumed_value, value, atol=1e-6, rtol=0, msg=name)
+
+
+_RANDOM_SAMPLERS: dict[str, Any] = {
+    "weighted-global-rng": lambda: WeightedRandomSampler(torch.linspace(1.0, 2.0, 40), num_samples=40),
+    "subset-global-rng": lambda: SubsetRandomSampler(list(range(40))),
+    "subset-own-generator": lambda: SubsetRandomSampler(list(range(40)), generator=torch.Generator().manual_seed(5)),
+    "random-own-generator": lambda: RandomSampler(range(40), generator=torch.Generator().manual_seed(5)),
+}
+"""Samplers whose order comes from a torch generator other than a seed RandomSampler draws: each its own kind."""
+
+
+@pytest.mark.parametrize("make_sampler", list(_RANDOM_SAMPLERS.values()), ids=list(_RANDOM_SAMPLERS))
+def test_a_mid_epoch_resume_repeats_the_order_of_any_torch_random_sampler(tmp_path: Path, make_sampler: Any) -> None:
+    """The epoch resumed from step 15 of 20 trains on the straight run's last 5 batches, in their order."""
+    x, y = regression_data(rows=40)[:]
+    data = TensorDataset(x, y, torch.arange(40))
+
+    def fit(ckpt_path: str | None = None, **overrides: Any) -> _OrderRecorded:
+        torch.manual_seed(3)
+        model = _OrderRecorded(one_cycle=False)
+        run = trainer(tmp_path, max_epochs=2, devices=2, strategy="mgpu_dp", **overrides)
+        run.fit(model, DataLoader(data, batch_size=4, sampler=make_sampler()), ckpt_path=ckpt_path)
+        return model
+
+    every_third = L.callbacks.ModelCheckpoint(tmp_path / "checkpoints", every_n_train_steps=3, save_top_k=-1)
+    straight = fit(callbacks=[every_third], enable_checkpointing=True)
+    resumed = fit(str(tmp_path / "checkpoints" / "epoch=1-step=15.ckpt"))
+
+    assert len(straight.steps) == 20
+    assert straight.steps[10:15] != straight.steps[:5]  # the order changes between epochs
+    assert resumed.steps == straight.steps[15:]
+    for (name, value), resumed_value in zip(straight.named_parameters(), resumed.parameters(), strict=True):
+        torch.testing.assert_close(resumed_value, value, atol=1e-6, rtol=0, msg=name)

@@ -474,20 +474,24 @@ class _Boxes(torch.nn.Module):
         return torch.stack([image.sum() - boxes.mean() for image, boxes in zip(images, targets["boxes"], strict=True)])
 
 
-def test_forward_reads_a_nested_list_that_reads_both_ways_as_its_earlier_calls_did() -> None:
+def test_forward_reads_a_nested_list_that_reads_both_ways_as_fields_and_a_method_as_its_earlier_batches() -> None:
+    """forward's inputs are torch.nn.DataParallel's: such a list is fields; a method's batch keeps the rule."""
     module = _Boxes()
     wrapper = MGPUDataParallel(module, CPU2)
     images = torch.randn(4, 3)
-    square = {"boxes": [torch.randn(4, 4) for _ in range(4)]}
+    square = [torch.randn(4, 4) for _ in range(4)]
     try:
+        inputs = wrapper.scatter((images,), {"targets": {"boxes": square}})
+        assert [[len(box) for box in kwargs["targets"]["boxes"]] for _, kwargs in inputs.calls] == [[2] * 4] * 2
+        marked = {"boxes": PerSample(square)}
+        torch.testing.assert_close(wrapper(images, targets=marked), module(images, {"boxes": square}), atol=0, rtol=0)
         with pytest.raises(BatchSplitError) as caught:
-            wrapper(images, targets=square)
-        assert caught.value.path == "batch['kwargs']['targets']['boxes']"
-        assert "batch['kwargs'][name] the keyword argument name" in caught.value.__notes__[0]
-        wrapper(images, targets={"boxes": [torch.randn(count, 4) for count in (1, 3, 2, 5)]})
-        torch.testing.assert_close(wrapper(images, targets=square), module(images, square), atol=0, rtol=0)
-        with pytest.raises(BatchSplitError):  # each method keeps its own memory
-            wrapper.scatter_batch({"images": images, "boxes": square["boxes"]}, method="validation_step")
+            wrapper.scatter_batch({"images": images, "boxes": square}, method="validation_step")
+        assert caught.value.path == "batch['boxes']"
+        told = [torch.randn(count, 4) for count in (1, 3, 2, 5)]
+        wrapper.scatter_batch({"images": images, "boxes": told}, method="validation_step")
+        batches = wrapper.scatter_batch({"images": images, "boxes": square}, method="validation_step")
+        assert [[len(box) for box in args[0]["boxes"]] for args, _ in batches.calls] == [[4] * 2] * 2
     finally:
         wrapper.close()
 

@@ -180,7 +180,7 @@ def diagnose(
     if reference.backward_done:
         report.findings.extend(unused_parameter_findings(reference, target))
     if split.error is not None:
-        report.findings.append(split_failed(split.error, replicas))
+        report.findings.append(split_failed(split.error, replicas, target))
         return _sorted(report)
     report.comparisons = compare_runs(reference, split, atol, rtol)
     changed = [comparison for comparison in report.comparisons if not comparison.same]

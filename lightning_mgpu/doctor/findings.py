@@ -13,7 +13,7 @@ from lightning_mgpu.checks import Finding
 from lightning_mgpu.doctor.ranks import RankRuns
 from lightning_mgpu.doctor.report import Comparison, DoctorReport, Kind, Target
 from lightning_mgpu.doctor.runs import Run
-from lightning_mgpu.errors import BatchSplitError, GatherError
+from lightning_mgpu.errors import BatchSplitError, GatherError, ReplicaStateError
 from lightning_mgpu.step.hooks import has_step_end
 
 
@@ -413,9 +413,9 @@ def _buffer_findings(
             )
         else:
             fix = (
-                f"Under mgpu_dp only replica 0's update is kept, computed from {first_chunk}. Return what the update"
-                " needs from training_step and update the buffer in training_step_end, from the outputs of every"
-                " replica."
+                "Under mgpu_dp every replica left it at the same value, each from its own chunk (a count of its"
+                " rows, say), and the module keeps that value once. Return what the update needs from training_step"
+                " and update the buffer in training_step_end, from the outputs of every replica."
             )
         findings.append(
             Finding(
@@ -615,12 +615,24 @@ def step_failed(error: BaseException) -> Finding:
     )
 
 
-def split_failed(error: BaseException, replicas: int) -> Finding:
+def split_failed(error: BaseException, replicas: int, target: str) -> Finding:
     """The error for a step that raised only when split: not splittable, not gatherable, or a replica's own error."""
     if isinstance(error, GatherError):
         return Finding("error", "not-gatherable", error.path, str(error))
     if isinstance(error, BatchSplitError):
         return Finding("error", "not-splittable", error.path, str(error))
+    if isinstance(error, ReplicaStateError) and error.buffer:
+        name = error.path.removeprefix("self.")
+        if target == "mgpu_ddp":
+            message = (
+                f"The buffer `{name}` is updated in training_step from each replica's chunk, so each rank would update"
+                f" its own copy from its own batch and the ranks drift apart (buffers are not broadcast unless"
+                " MGPUDDPStrategy(broadcast_buffers=True)); combine the update over the ranks (self.all_gather) before"
+                " applying it."
+            )
+        else:
+            message = f"Under mgpu_dp: {error}"
+        return Finding("error", "buffer-update", name, message)
     return Finding(
         "error",
         "replica-error",

@@ -15,6 +15,7 @@ from lightning_mgpu.engine.parallel_apply import ContextFactory, ParallelApply
 from lightning_mgpu.engine.replicate import ReplicaCache, all_on, modules_of
 from lightning_mgpu.engine.scatter import (
     LayoutMemory,
+    Source,
     check_chunk_weight_count,
     check_chunk_weights,
     move_to,
@@ -120,6 +121,8 @@ class MGPUDataParallel(nn.Module):
             check_exchangeable(module, type(self).__name__)
         self._input_layouts: dict[str, LayoutMemory] = {}
         self._output_layouts: dict[str, LayoutMemory] = {}
+        self.collated_methods: set[str] = set()
+        """Methods whose batches torch's ``default_collate`` built, their lists read so; ``mgpu_dp`` keeps it."""
         self._chunk_weights: tuple[float, ...] | None = None
         self.chunk_weights = chunk_weights
 
@@ -163,7 +166,7 @@ class MGPUDataParallel(nn.Module):
         """Split ``forward``'s positional and keyword inputs as one batch (see ``lightning_mgpu.engine.scatter``).
 
         A call without inputs runs once, on the root device, as in ``torch.nn.DataParallel``. A plain list among
-        the inputs that reads both ways is read as earlier calls read it.
+        the inputs that reads both ways is fields, as ``torch.nn.DataParallel`` reads it.
         """
         if not inputs and not kwargs:
             return Scattered([((), {})], [0], self.devices[:1])
@@ -176,10 +179,14 @@ class MGPUDataParallel(nn.Module):
         """Split ``batch`` alone, for a method called as ``method(chunk, *args, **kwargs)`` on every replica.
 
         Only the batch is split; ``args`` and ``kwargs`` reach every replica whole. A plain list in the batch whose
-        items read both ways (fields, or one item per sample) is read as ``method``'s earlier batches read it.
+        items read both ways (fields, or one item per sample) is read as ``method``'s earlier batches read it;
+        where ``method`` is in ``collated_methods`` every list is read as torch's ``default_collate`` builds it.
         """
         memory = _layouts(self._input_layouts, method)
-        chunks, sizes, devices = scatter_to_devices(batch, self.devices, self._chunk_weights, memory=memory)
+        source = Source.DEFAULT_COLLATE if method in self.collated_methods else None
+        chunks, sizes, devices = scatter_to_devices(
+            batch, self.devices, self._chunk_weights, memory=memory, source=source
+        )
         shared = kwargs or {}
         return Scattered([((chunk, *args), shared) for chunk in chunks], sizes, devices)
 
@@ -233,14 +240,15 @@ class MGPUDataParallel(nn.Module):
         Each replica ran with copies of its own of the module's torchmetrics metrics and of the plain lists, dicts
         and sets of the model's own code (see ``lightning_mgpu.engine.replicate``): the metrics merge their copies'
         states, lists gain what every replica appended (one gathered item per append) and sets what they added;
-        other changes raise ``lightning_mgpu.ReplicaStateError``. Buffers that replica 0 reassigned are stored on
-        the module, as its in-place updates are.
+        other changes raise ``lightning_mgpu.ReplicaStateError``. Buffers every replica changed alike are changed
+        once, and other changes of them refused (``lightning_mgpu.replica_state.buffers``); BatchNorm layers keep
+        replica 0's running statistics where ``sync_batchnorm`` is off, as in ``torch.nn.DataParallel``.
 
         Args:
             sizes: the rows each replica received (``Scattered.sizes``); without them no append can be joined.
             method: the method the replicas ran, named in errors.
         """
-        self._replicate.settle(sizes, self.output_device, method)
+        self._replicate.settle(sizes, self.output_device, method, per_replica_batchnorm=not self.sync_batchnorm)
         devices = self._replicate.devices
         if devices and devices[0] != self.root_device:
             self._return_buffers_to_root()

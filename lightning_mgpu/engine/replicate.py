@@ -38,6 +38,7 @@ from lightning_mgpu.engine.metrics import MetricReplicas, metric_units
 from lightning_mgpu.errors import ReplicaStateError
 from lightning_mgpu.library_code import is_library_class, kept_by_library
 from lightning_mgpu.replica_state import ReplicaGuard, ReplicaStates
+from lightning_mgpu.replica_state.buffers import BufferStarts, settle_buffers, store_buffers
 
 
 class ReplicaCache:
@@ -50,10 +51,12 @@ class ReplicaCache:
     buffers.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, first_shares_buffers: bool = False) -> None:
+        self._first_shares_buffers = first_shares_buffers
         self._structure: _Structure | None = None
         self._structures: dict[tuple[torch.device, ...], _Structure] = {}
         self._kept_buffers: list[tuple[nn.Module, nn.Module]] = []
+        self._buffer_starts: list[BufferStarts] = []
         self._isolated: list[Isolated] = []
         self._aliases: list[dict[int, torch.Tensor]] = []
         self._attributes: list[_Attributes] = []
@@ -71,10 +74,10 @@ class ReplicaCache:
 
     def __getstate__(self) -> dict[str, object]:
         """The shells hold views with autograd history, which cannot be copied; a copy starts with no shells."""
-        return {}
+        return {"first_shares_buffers": self._first_shares_buffers}
 
     def __setstate__(self, state: dict[str, object]) -> None:
-        self.__init__()  # type: ignore[misc]
+        self.__init__(first_shares_buffers=bool(state.get("first_shares_buffers")))  # type: ignore[misc]
 
     def __call__(
         self,
@@ -85,10 +88,12 @@ class ReplicaCache:
         """One replica of ``module`` per entry of ``devices``, in order.
 
         Parameters reach a replica on the parameter's own device as an alias, and a replica on another device as a
-        differentiable copy; one parameter used by several modules is one tensor in the replica too. Buffers of the
-        first replica are the original buffers, so in-place updates (BatchNorm running statistics) made there
-        persist, as in ``torch.nn.DataParallel``; the other replicas get private copies, so concurrent replicas
-        never write to the same buffer. When a parameter or buffer of ``module`` is not on ``devices[0]``,
+        differentiable copy; one parameter used by several modules is one tensor in the replica too. A replica
+        running alone works on the module's own buffers, as one device does. Two or more work on private copies
+        each, so concurrent replicas never write to the same buffer, and ``settle`` gives the module what they
+        changed alike (``lightning_mgpu.replica_state.buffers``); with ``first_shares_buffers`` the first works on
+        the module's buffers instead, as in ``torch.nn.DataParallel``'s ``replicate``, and nothing is settled.
+        When a parameter or buffer of ``module`` is not on ``devices[0]``,
         ``misplaced()`` is called before any replica is made, so a caller that requires the module there can raise
         first.
         """
@@ -106,13 +111,17 @@ class ReplicaCache:
             misplaced()
         replicas = []
         self._kept_buffers = []
+        shares = len(devices) == 1 or self._first_shares_buffers
+        self._buffer_starts = [] if shares else [BufferStarts() for _ in devices]
         self._isolated = [Isolated() for _ in devices] if structure.isolates else []
         self._aliases = []
         for index, device in enumerate(devices):
-            kept = self._kept_buffers if index == 0 else None
+            kept = self._kept_buffers if index == 0 and shares else None
+            starts = None if shares else self._buffer_starts[index]
             isolated = self._isolated[index] if self._isolated else None
             aliases: dict[int, torch.Tensor] = {}
-            replicas.append(structure.refresh(index, device, on_root and device == root, kept, isolated, aliases))
+            on_device = on_root and device == root
+            replicas.append(structure.refresh(index, device, on_device, shares, kept, starts, isolated, aliases))
             self._aliases.append(aliases)
         if structure.metrics is not None:
             structure.metrics.start()
@@ -137,22 +146,39 @@ class ReplicaCache:
             _check_stored_method(structure.originals[0], method)
         return self._states.begin(self._aliases, method or "forward")
 
-    def settle(self, sizes: Sequence[int] | None, device: torch.device, method: str | None) -> None:
+    def settle(
+        self,
+        sizes: Sequence[int] | None,
+        device: torch.device,
+        method: str | None,
+        per_replica_batchnorm: bool = False,
+    ) -> None:
         """Put back into the module what the replicas of the last call changed, in batch order, or refuse it.
 
         Parameters that every replica changed alike in place are changed once, and other changes of them refused
         (``lightning_mgpu.replica_state``); torchmetrics metrics merge their copies' states
         (``lightning_mgpu.engine.metrics``), lists gain what every replica appended and sets what they added
         (``lightning_mgpu.engine.containers``), and buffers that replica 0 reassigned are stored on the module, as
-        its in-place updates are.
+        its in-place updates are; buffers that several replicas changed alike are changed once, and other changes
+        of them refused (``lightning_mgpu.replica_state.buffers``). A refusal leaves the module's parameters and
+        buffers unchanged.
 
         Args:
             sizes: the rows each replica received, in batch order.
             device: where appended items are gathered.
             method: the method the replicas ran (``None``: forward), for messages.
+            per_replica_batchnorm: BatchNorm layers normalised each chunk by its own statistics
+                (``sync_batchnorm=False``): their running statistics are the first replica's, as in
+                ``torch.nn.DataParallel``.
         """
         structure = self._structure
         step = method or "forward"
+        starts, self._buffer_starts = self._buffer_starts, []
+        buffers = (
+            settle_buffers(starts, structure.names, step, per_replica_batchnorm)
+            if structure is not None and starts
+            else []
+        )
         if structure is not None and len(self._aliases) > 1:
             self._states.settle(structure.originals[0], step)
         if structure is not None and self._attributes:
@@ -162,6 +188,7 @@ class ReplicaCache:
             structure.metrics.settle(len(structure.devices))
         if self._isolated:
             combine(self._isolated, sizes, device, step)
+        store_buffers(buffers)
         self.keep_reassigned_buffers()
 
     def resolve(self, value: Any, replica: int) -> tuple[nn.Module | None, Any] | None:
@@ -228,15 +255,18 @@ class _Structure:
         index: int,
         device: torch.device,
         on_device: bool,
+        shares_buffers: bool,
         kept_buffers: list[tuple[nn.Module, nn.Module]] | None,
+        buffer_starts: BufferStarts | None,
         isolated: Isolated | None,
         aliases: dict[int, torch.Tensor],
     ) -> nn.Module:
         """Re-point replica ``index``'s shells at the modules' current state and return the top shell.
 
         ``on_device``: every parameter and buffer is on ``device`` already, so parameters become aliases and
-        buffers stay shared or are cloned without a device check each. ``aliases`` (empty) receives the replica's
-        own tensor for each parameter, by the parameter's ``id``.
+        buffers stay shared or are cloned without a device check each. ``shares_buffers``: replica 0 works on the
+        module's own buffers. ``kept_buffers`` and ``buffer_starts`` receive the modules with buffers and their
+        shells. ``aliases`` (empty) receives the replica's own tensor for each parameter, by the parameter's ``id``.
         """
         originals = self.originals
         kept = self.shells[index]
@@ -251,7 +281,7 @@ class _Structure:
             ]
         self.current[index] = shells
         position = self.position
-        first = index == 0
+        first = index == 0 and shares_buffers
         if on_device:
             aliases.update(_aliases_of(originals))
         compiled: list[tuple[nn.Module, nn.Module]] = []
@@ -285,8 +315,11 @@ class _Structure:
             else:
                 _wire(original, shell, shells, position, device, aliases, first=first)
                 buffers = source["_buffers"]
-            if kept_buffers is not None and buffers:
-                kept_buffers.append((original, shell))
+            if buffers:
+                if kept_buffers is not None:
+                    kept_buffers.append((original, shell))
+                if buffer_starts is not None:
+                    buffer_starts.add(original, shell)
             if wrapper or source.get(_compat.COMPILED_CALL) is not None:
                 compiled.append((original, shell))
         for original, shell in compiled:
@@ -504,7 +537,7 @@ def _reaches(value: Any, module: nn.Module, depth: int) -> bool:
 
 def replicate(module: nn.Module, devices: Sequence[torch.device]) -> list[nn.Module]:
     """Fresh replicas of ``module``, one per device (see ``ReplicaCache`` for what a replica holds)."""
-    return ReplicaCache()(module, devices)
+    return ReplicaCache(first_shares_buffers=True)(module, devices)
 
 
 def modules_of(module: nn.Module) -> list[nn.Module]:

@@ -16,7 +16,9 @@ The contract, which ``gather`` inverts:
   is read as the same method's earlier batches read its key path (a ``LayoutMemory``), and with no such reading,
   or no memory (the module's functions), ``BatchSplitError`` asks for a marker. A path read one way may not be
   proven the other way by a later batch: that is an error too. With one chunk the readings agree and nothing is
-  asked.
+  asked. Where the caller knows what built the batch (a ``Source``), the builder decides instead: torch's
+  ``default_collate`` transposes samples, so a list it returns holds fields unless it is N strings or bytes, and
+  ``torch.nn.DataParallel`` splits a list among ``forward``'s inputs as fields where its items read both ways.
 """
 
 from __future__ import annotations
@@ -68,6 +70,17 @@ class Fields(list[Any]):
 
     def __repr__(self) -> str:
         return f"Fields({list.__repr__(self)})"
+
+
+class Source(enum.Enum):
+    """What built a batch, where the caller knows: the builder tells how a plain list or tuple in it reads."""
+
+    DEFAULT_COLLATE = enum.auto()
+    """torch's ``default_collate``: it transposes samples into fields, and its only list with one item per sample
+    is the batch's strings or bytes, so every other list is fields."""
+    FORWARD_INPUTS = enum.auto()
+    """``forward``'s inputs, which ``torch.nn.DataParallel`` splits as fields: a list whose items read both ways
+    is fields."""
 
 
 class LayoutMemory:
@@ -207,6 +220,7 @@ def scatter(
     weights: Sequence[float] | None = None,
     *,
     memory: LayoutMemory | None = None,
+    source: Source | None = None,
 ) -> tuple[list[Any], list[int]]:
     """Split ``batch`` into chunks, each moved to its device.
 
@@ -218,6 +232,8 @@ def scatter(
             ``scatter_to_devices`` says which.
         memory: how earlier batches read each plain list, by key path, updated with this batch's readings; it
             decides a list whose items read both ways. Without it such a list is refused.
+        source: what built the batch, where the caller knows; it reads the lists as that builder made them,
+            ahead of ``memory``.
 
     Returns:
         The chunks and their sizes along dim 0.
@@ -225,7 +241,7 @@ def scatter(
     Raises:
         BatchSplitError: the batch cannot be split consistently; the message names the key path and the fix.
     """
-    chunks, sizes, _ = scatter_to_devices(batch, devices, weights, memory=memory)
+    chunks, sizes, _ = scatter_to_devices(batch, devices, weights, memory=memory, source=source)
     return chunks, sizes
 
 
@@ -235,6 +251,7 @@ def scatter_to_devices(
     weights: Sequence[float] | None = None,
     *,
     memory: LayoutMemory | None = None,
+    source: Source | None = None,
 ) -> tuple[list[Any], list[int], list[torch.device]]:
     """``scatter``, also returning the device of each chunk: the devices given rows, in device order.
 
@@ -249,7 +266,7 @@ def scatter_to_devices(
         shares = weighted_chunk_sizes(rows, weights)
         sizes = [size for size in shares if size]
         used = [device for device, size in zip(devices, shares, strict=True) if size]
-    planner = _Planner(rows, len(sizes) > 1, memory)
+    planner = _Planner(rows, len(sizes) > 1, memory, source)
     plan = planner.plan(batch, "batch")
     if planner.conflicts:
         conflicts = [f"{path}: {size}" for path, size in planner.conflicts]
@@ -277,7 +294,8 @@ def scatter_inputs(
 
     Positional input ``i`` is ``batch['inputs'][i]`` and keyword ``name`` is ``batch['kwargs'][name]`` of the batch
     that ``scatter_to_devices`` splits (error messages and ``memory`` name them so); plain tensors alone take a
-    shorter path to the same chunks.
+    shorter path to the same chunks. A list whose items read both ways is fields, as ``torch.nn.DataParallel``
+    reads every list among the inputs.
     """
     if not kwargs and weights is None:
         split = split_plain_tensors(inputs, devices)
@@ -286,7 +304,7 @@ def scatter_inputs(
             return [(chunk, {}) for chunk in chunks], sizes, used
     try:
         joined = {"inputs": Fields(inputs), "kwargs": kwargs}
-        batches, sizes, used = scatter_to_devices(joined, devices, weights, memory=memory)
+        batches, sizes, used = scatter_to_devices(joined, devices, weights, memory=memory, source=Source.FORWARD_INPUTS)
     except BatchSplitError as error:
         error.add_note(
             "lightning_mgpu: MGPUDataParallel splits the positional and keyword inputs of forward as one batch:"
@@ -577,11 +595,12 @@ def _zero_dim(path: str) -> str:
 class _Planner:
     """Reads one batch top-down, its row count known, deciding how each value is cut for the replicas."""
 
-    def __init__(self, rows: int, several_chunks: bool, memory: LayoutMemory | None) -> None:
+    def __init__(self, rows: int, several_chunks: bool, memory: LayoutMemory | None, source: Source | None) -> None:
         self.rows = rows
         self.several_chunks = several_chunks
         """Whether the batch is cut into more than one chunk, where a list's two readings give different chunks."""
         self.memory = memory
+        self.source = source
         self.conflicts: list[tuple[str, str]] = []
         """(path, size) of each value whose rows are not the batch's."""
         self.undecided: list[str] = []
@@ -615,10 +634,15 @@ class _Planner:
     def _by_items(self, obj: list | tuple, path: str) -> bool:
         """Whether a plain list or tuple is split by items: as its items prove, else as an earlier batch read it.
 
-        A list whose items read both ways, with nothing to decide, is split by items only to go no deeper; it is
-        refused when there is more than one chunk, and with one chunk both readings give the same chunk.
+        Where ``source`` knows, it decides instead of ``memory``. A list whose items read both ways, with nothing
+        to decide, is split by items only to go no deeper; it is refused when there is more than one chunk, and
+        with one chunk both readings give the same chunk.
         """
+        if self.source is Source.DEFAULT_COLLATE:
+            return len(obj) == self.rows and all(isinstance(item, (str, bytes)) for item in obj)
         proven = list_reading(obj, self.rows)
+        if proven is None and self.source is Source.FORWARD_INPUTS:
+            return False
         remembered = None if self.memory is None else self.memory.recall(path)
         if proven is None:
             if remembered is None and self.several_chunks:

@@ -22,6 +22,8 @@ from lightning_mgpu.replica_state.parameters import ParameterWrites, written_ten
 from lightning_mgpu.replica_state.random import DefaultGenerator, ReplicaRandom, StepSeed, draws
 
 _DATA = torch.Tensor.data
+_dynamo_compiling = torch.compiler.is_dynamo_compiling
+"""True while torch.compile traces, False otherwise at the cost of one call (``is_compiling`` costs several)."""
 _DETACH = torch.Tensor.detach
 
 
@@ -38,7 +40,7 @@ class ReplicaGuard(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        if torch.compiler.is_compiling():
+        if _dynamo_compiling():
             # Traced by torch.compile: the cache shared by every replica would become a guard of the compiled graph
             # that another replica's thread invalidates as it fills the cache (a recompile, or a failed guard).
             kind = _kind(func)

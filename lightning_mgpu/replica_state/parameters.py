@@ -163,11 +163,11 @@ def settle(
         assert first is not None
         for index, value in enumerate(values[1:], start=1):
             assert value is not None
-            difference = _difference(first, value)
-            if difference is not None:
+            unlike = difference(first, value)
+            if unlike is not None:
                 raise ReplicaStateError(
                     f"{step} changed the parameter {path} in place inside the replicas, and replicas 0 and {index}"
-                    f" changed it to different values ({difference}), as a change computed from each replica's rows"
+                    f" changed it to different values ({unlike}), as a change computed from each replica's rows"
                     f" would be, so one device's value cannot be told; the module's parameter is unchanged. {_FIX}.",
                     path,
                     step,
@@ -186,11 +186,20 @@ def _store(parameter: torch.Tensor, value: torch.Tensor) -> None:
         parameter.data = value.detach().to(parameter.device)
 
 
-def _difference(left: torch.Tensor, right: torch.Tensor) -> str | None:
+def same_values(left: torch.Tensor, right: torch.Tensor) -> bool:
+    """``torch.equal``, but a NaN equals a NaN: a value every replica left NaN is one value."""
+    if torch.equal(left, right):
+        return True
+    floating = left.is_floating_point() or left.is_complex()
+    return floating and left.shape == right.shape and torch.allclose(left, right, rtol=0, atol=0, equal_nan=True)
+
+
+def difference(left: torch.Tensor, right: torch.Tensor) -> str | None:
+    """How ``right`` differs from ``left`` in words (shape and dtype, or the largest difference); ``None``: equal."""
     if left.shape != right.shape or left.dtype != right.dtype:
         return f"{tuple(left.shape)} {left.dtype} against {tuple(right.shape)} {right.dtype}"
     right = right.detach().to(left.device)
-    if torch.equal(left.detach(), right):
+    if same_values(left.detach(), right):
         return None
     if left.is_floating_point() or left.is_complex():
         return f"by up to {(left.detach() - right).abs().max().item():.3g}"

@@ -40,6 +40,7 @@ def run_replica_step(
     kwargs: dict[str, Any],
     context: Callable[[], AbstractContextManager[Any]] = nullcontext,
     health: StepHealth | None = None,
+    collated: bool = False,
 ) -> Any:
     """Run ``module.<step>(*args, **kwargs)`` split across the replicas of ``wrapper`` and return what Lightning sees.
 
@@ -49,7 +50,8 @@ def run_replica_step(
     thread as the caller's state does. Values logged in replicas are combined and logged on ``module``; the gathered
     output goes to the ``*_step_end`` hook, or, without one, every 0-dim value the replicas returned is combined
     into one by a mean weighted by chunk size (``combine_scalars``). ``health``, when given, warns about idle devices
-    and a non-finite training loss.
+    and a non-finite training loss. ``collated`` says torch's ``default_collate`` built the batch, so its lists
+    are read as it builds them (``lightning_mgpu.engine.scatter.Source``).
     """
     if not args:
         raise ConfigurationError(
@@ -61,6 +63,10 @@ def run_replica_step(
             f" {step}(self, batch, batch_idx) instead, or use strategy='mgpu_ddp'.",
             setting=f"LightningModule.{step}",
         )
+    if collated:
+        wrapper.collated_methods.add(step)
+    else:
+        wrapper.collated_methods.discard(step)
     scattered = wrapper.scatter_batch(args[0], args[1:], kwargs, step)
     replicas = wrapper.replicate(wrapper.module, scattered.devices)
     logs = [

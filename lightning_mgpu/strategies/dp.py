@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -13,6 +13,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning_utilities.core.apply_func import apply_to_collection
+from torch.utils.data import DataLoader, default_collate
 from typing_extensions import override
 
 from lightning_mgpu.engine import MGPUDataParallel
@@ -39,6 +40,16 @@ _REDUCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "max": torch.amax,
     "min": torch.amin,
 }
+
+_STEP_LOADERS = {
+    "training_step": "train_dataloader",
+    "validation_step": "val_dataloaders",
+    "test_step": "test_dataloaders",
+    "predict_step": "predict_dataloaders",
+}
+"""The Trainer property holding the loaders whose batches each step receives."""
+
+_BATCH_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
 
 
 class MGPUDPLogic(MGPUStrategyMixin, _Base):
@@ -279,8 +290,9 @@ class MGPUDPLogic(MGPUStrategyMixin, _Base):
                 "each replica's chunk",
                 "This is sync_batchnorm=False; leave it at its default (True) to train exactly.",
             )
+        collated = _collated_by_torch(module, step)
         with stop_iteration_is_an_error(step), caller_runs_step_end():
-            return run_replica_step(wrapper, module, step, args, kwargs, precision_context, self._health)
+            return run_replica_step(wrapper, module, step, args, kwargs, precision_context, self._health, collated)
 
     def _module_step(
         self,
@@ -301,6 +313,47 @@ class MGPUDPLogic(MGPUStrategyMixin, _Base):
         if step == "training_step":
             self._health.check_loss(result, lambda: f"at step {module.global_step}")
         return result
+
+
+def _collated_by_torch(module: pl.LightningModule, step: str) -> bool:
+    """Whether torch's ``default_collate`` built every batch that ``step`` can receive in this run.
+
+    It transposes samples into fields, so the batch's lists are fields by construction. That holds only when every
+    loader of the step's stage batches with it (``batch_size=None`` converts samples instead) and no batch hook of
+    the module or datamodule rebuilds the batch; anything else, a loader that is not a ``DataLoader`` included,
+    leaves the reading of lists that read both ways to ``lightning_mgpu.engine.scatter``'s rule.
+    """
+    try:
+        trainer = module.trainer
+    except RuntimeError:  # not attached to a Trainer
+        return False
+    loaders = _leaves(getattr(trainer, _STEP_LOADERS[step], None))
+    if not loaders or not all(_collates_by_default(loader) for loader in loaders):
+        return False
+    datamodule = getattr(trainer, "datamodule", None)  # set by the Trainer's data connector, undeclared
+    owners = [module] if datamodule is None else [module, datamodule]
+    return not any(_overrides_batch_hook(owner, hook) for owner in owners for hook in _BATCH_HOOKS)
+
+
+def _leaves(iterables: Any) -> list[Any]:
+    """The loaders of a Trainer's ``*_dataloader(s)`` property: one, or a list, tuple or dict of them."""
+    if isinstance(iterables, Mapping):
+        return [leaf for value in iterables.values() for leaf in _leaves(value)]
+    if isinstance(iterables, (list, tuple)):
+        return [leaf for value in iterables for leaf in _leaves(value)]
+    return [] if iterables is None else [iterables]
+
+
+def _collates_by_default(loader: Any) -> bool:
+    return isinstance(loader, DataLoader) and loader.batch_sampler is not None and loader.collate_fn is default_collate
+
+
+def _overrides_batch_hook(owner: Any, hook: str) -> bool:
+    """Whether ``owner``'s class defines ``hook`` itself, above Lightning's ``DataHooks`` (in either namespace)."""
+    for cls in type(owner).__mro__:
+        if hook in vars(cls):
+            return cls.__name__ != "DataHooks"
+    return False
 
 
 @bind_strategy

@@ -1,0 +1,151 @@
+"""Buffers a step changes inside two or more replicas: the same change once, any other refused, module unchanged.
+
+Each replica, the first included, works on copies of the module's buffers while others run beside it, so no two
+threads write to one tensor and the module keeps its values until every replica has finished. A buffer that every
+replica left as the same value (a counter, ``num_batches_tracked``, BatchNorm's running statistics, which the exact
+BatchNorm makes equal) goes into the module once, in place where the replicas changed it in place; a buffer the
+replicas left at different values (a running mean of each replica's own rows) is refused with ``ReplicaStateError``,
+since one device's value cannot be told from chunks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from lightning_mgpu._compat import BatchNorm, version_counter
+from lightning_mgpu.errors import ReplicaStateError
+from lightning_mgpu.replica_state.parameters import difference, same_values
+
+_FIX = (
+    "Update it where self is the module itself and the whole batch is at hand: training_step_end (or the matching"
+    " *_step_end hook) or on_train_batch_end"
+)
+_MISSING = object()
+
+
+class BufferStarts:
+    """One replica's buffers as its call begins: each module's shell, with every buffer and its version counter."""
+
+    __slots__ = ("entries",)
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[nn.Module, nn.Module, list[tuple[str, torch.Tensor | None, int]]]] = []
+
+    def add(self, original: nn.Module, shell: nn.Module) -> None:
+        """Record ``shell``'s buffers (``original``'s copies) before the call runs."""
+        buffers = shell._buffers.items()
+        versions = [(name, buffer, -1 if buffer is None else version_counter(buffer)) for name, buffer in buffers]
+        self.entries.append((original, shell, versions))
+
+
+Update = tuple[nn.Module, str, object, bool]
+"""A buffer to write after the call: the module, the buffer's name, its value (or removed), whether in place."""
+
+
+def settle_buffers(
+    starts: Sequence[BufferStarts], names: dict[int, str], step: str, per_replica_batchnorm: bool = False
+) -> list[Update]:
+    """What to write into the module's buffers after a call of several replicas, or ``ReplicaStateError``.
+
+    A buffer counts as changed in a replica when the replica rebound it or changed it in place (its version counter
+    moved). Nothing is written here, so that a refusal elsewhere in the same step leaves the module unchanged too.
+
+    Args:
+        starts: each replica's, in batch order, recorded over the same modules in the same order.
+        names: each module's path in the model, by ``id``.
+        step: the method the replicas ran, for messages.
+        per_replica_batchnorm: BatchNorm layers normalise each chunk by its own statistics
+            (``sync_batchnorm=False``), and keep the first replica's running statistics, as ``torch.nn.DataParallel``
+            does.
+
+    Returns:
+        ``(module, name, value, in_place)`` for each changed buffer; apply them with ``store_buffers``.
+    """
+    updates: list[Update] = []
+    first = starts[0].entries
+    for position, (original, _, recorded) in enumerate(first):
+        first_kept = per_replica_batchnorm and isinstance(original, BatchNorm)
+        for slot, (name, _, _) in enumerate(recorded):
+            finals: list[object] = []
+            rebound = changed = False
+            for replica in starts:
+                _, shell, buffers = replica.entries[position]
+                _, start, version = buffers[slot]
+                final = shell._buffers.get(name, _MISSING)
+                if final is not start:
+                    rebound = changed = True
+                elif start is not None and _changed_in_place(start, version, original._buffers.get(name)):
+                    changed = True
+                finals.append(final)
+            if changed:
+                path = f"self.{_buffer_path(names.get(id(original), ''), name)}"
+                value = finals[0] if first_kept else _agreed(finals, path, step)
+                updates.append((original, name, value, not rebound))
+    return updates
+
+
+def store_buffers(updates: list[Update]) -> None:
+    """Write what ``settle_buffers`` returned into the module, in place where the replicas changed it in place."""
+    for module, name, value, in_place in updates:
+        own = module._buffers.get(name)
+        if value is _MISSING:
+            del module._buffers[name]
+        elif in_place and own is not None and isinstance(value, torch.Tensor) and _fits(own, value):
+            with torch.no_grad():
+                own.copy_(value)
+        elif isinstance(value, torch.Tensor) and own is not None:
+            module._buffers[name] = value.to(own.device)
+        else:
+            module._buffers[name] = value  # type: ignore[assignment]
+
+
+def _agreed(finals: list[object], path: str, step: str) -> object:
+    """The value every replica left, or ``ReplicaStateError`` naming the first replica that left another."""
+    first = finals[0]
+    for index, final in enumerate(finals[1:], start=1):
+        if final is first:
+            continue
+        if isinstance(first, torch.Tensor) and isinstance(final, torch.Tensor):
+            unlike = difference(first, final)
+            if unlike is None:
+                continue
+        else:
+            unlike = f"{_kind(first)} against {_kind(final)}"
+        raise ReplicaStateError(
+            f"{step} changed the buffer {path} inside the replicas, and replicas 0 and {index} left it at different"
+            f" values ({unlike}), as a buffer updated from each replica's own rows is, so one device's value cannot"
+            f" be told; the module's buffer is unchanged. {_FIX}.",
+            path,
+            step,
+            buffer=True,
+        )
+    return first
+
+
+def _changed_in_place(copy: torch.Tensor, version: int, own: torch.Tensor | None) -> bool:
+    """Whether a replica changed its copy of a buffer in place; the module's own buffer still holds the value copied.
+
+    A copy made in inference mode (Lightning's evaluation loops) keeps no version counter, so its value is compared.
+    """
+    if version != -1:
+        return version_counter(copy) != version
+    return own is None or not same_values(copy, own.to(copy.device))
+
+
+def _kind(value: object) -> str:
+    if value is _MISSING:
+        return "removed"
+    if value is None:
+        return "None"
+    return f"a tensor {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def _fits(own: torch.Tensor, value: torch.Tensor) -> bool:
+    return own.shape == value.shape and own.dtype == value.dtype
+
+
+def _buffer_path(module: str, name: str) -> str:
+    return f"{module}.{name}" if module else name
