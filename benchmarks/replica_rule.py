@@ -1,30 +1,34 @@
 """What the replica-state rule costs per step: the engine with it against the engine without it, side by side.
 
 The rule (``lightning_mgpu/replica_state``) runs each replica's call in a torch function mode that routes parameter
-writes and random draws to the replica's own, reads the default generator's state around the call, and compares
-each replica's attributes before and after it. On the CPU proxy of ``benchmarks.overhead`` (one intra-op thread,
-``nn.Sequential`` of ``Linear(4, 4)``, 8 rows, forward + backward + SGD step), each repeat times a short loop of the
-engine with the rule and one without it (the engine as it was before the rule: replicas that share the module's
-parameters and the default generator), in alternating order; a row reports the median of the per-repeat ratios
-and differences, with their min and max.
+writes and random draws to the replica's own, reads the default generator's state around the call, compares each
+replica's attributes before and after it, and gives every replica copies of the module's buffers, settled after it.
+On the CPU proxy of ``benchmarks.overhead`` (one intra-op thread, ``nn.Sequential`` of ``Linear(4, 4)``, 8 rows,
+forward + backward + SGD step), and on the same with a ``BatchNorm1d`` after every layer (rows ``bn``), each repeat
+times a short loop of the engine with the rule and one without it (the engine as it was before the rule: replicas
+that share the module's parameters and the default generator, the first replica the module's buffers), in
+alternating order; a row reports the median of the per-repeat ratios and differences, with their min and max.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import statistics
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
-from benchmarks.overhead import _Case, _loop_us
+from benchmarks.overhead import FEATURES, _Case, _loop_us
 from lightning_mgpu.engine.replicate import ReplicaCache
 from lightning_mgpu.replica_state import ReplicaGuard
 
 DEPTHS = (1, 16)
 REPLICAS = (2, 4)
+KINDS = ("linear", "bn")
 BUDGET = 0.10
 """The most the rule may add to a step: 10%."""
 
@@ -32,15 +36,32 @@ BUDGET = 0.10
 class _WithoutRule(ReplicaCache):
     """The replica cache as it was before the rule: no guard, no snapshot of attributes, nothing settled by it."""
 
+    def __init__(self) -> None:
+        super().__init__(first_shares_buffers=True)
+
     def begin(self, method: str | None) -> list[ReplicaGuard] | None:
         structure = self._structure
         if structure is not None and structure.metrics is not None:
             structure.metrics.name(method)
         return None
 
-    def settle(self, sizes: Sequence[int] | None, device: torch.device, method: str | None) -> None:
+    def settle(self, sizes: Sequence[int] | None, device: torch.device, method: str | None, **_: Any) -> None:
         self._aliases = []  # nothing was begun by the rule, so nothing is settled by it
         super().settle(sizes, device, method)
+
+
+def _case(kind: str, depth: int, replicas: int) -> _Case:
+    """``benchmarks.overhead``'s case, or the same net with a ``BatchNorm1d`` after every layer (``kind="bn"``)."""
+    case = _Case(depth, replicas)
+    if kind == "bn":
+        case.close()
+        with torch.random.fork_rng(devices=[]):  # weights from a fixed seed, the caller's generator untouched
+            torch.manual_seed(0)
+            layers = [(nn.Linear(FEATURES, FEATURES), nn.BatchNorm1d(FEATURES)) for _ in range(depth)]
+        case.net = nn.Sequential(*[layer for pair in layers for layer in pair])
+        case.optimizer = torch.optim.SGD(case.net.parameters(), lr=1e-3)
+        case.wrapper = type(case.wrapper)(case.net, [torch.device("cpu")] * replicas)
+    return case
 
 
 def measure(loops: int, repeats: int, warmup: int = 10) -> list[dict[str, Any]]:
@@ -49,25 +70,24 @@ def measure(loops: int, repeats: int, warmup: int = 10) -> list[dict[str, Any]]:
     torch.set_num_threads(1)
     results = []
     try:
-        for depth in DEPTHS:
-            for replicas in REPLICAS:
-                with_rule, without_rule = _Case(depth, replicas), _Case(depth, replicas)
-                without_rule.wrapper._replicate = _WithoutRule()  # noqa: SLF001 - the variant measured against
-                variants = {"with_rule": with_rule.engine, "without_rule": without_rule.engine}
-                times: dict[str, list[float]] = {name: [] for name in variants}
-                try:
-                    for function in variants.values():
-                        _loop_us(function, warmup)
-                    gc.disable()
-                    for repeat in range(repeats):
-                        order = list(variants) if repeat % 2 == 0 else list(reversed(variants))
-                        for name in order:
-                            times[name].append(_loop_us(variants[name], loops)[0])
-                finally:
-                    gc.enable()
-                    with_rule.close()
-                    without_rule.close()
-                results.append({"depth": depth, "replicas": replicas, **times})
+        for kind, depth, replicas in itertools.product(KINDS, DEPTHS, REPLICAS):
+            with_rule, without_rule = _case(kind, depth, replicas), _case(kind, depth, replicas)
+            without_rule.wrapper._replicate = _WithoutRule()  # noqa: SLF001 - the variant measured against
+            variants = {"with_rule": with_rule.engine, "without_rule": without_rule.engine}
+            times: dict[str, list[float]] = {name: [] for name in variants}
+            try:
+                for function in variants.values():
+                    _loop_us(function, warmup)
+                gc.disable()
+                for repeat in range(repeats):
+                    order = list(variants) if repeat % 2 == 0 else list(reversed(variants))
+                    for name in order:
+                        times[name].append(_loop_us(variants[name], loops)[0])
+            finally:
+                gc.enable()
+                with_rule.close()
+                without_rule.close()
+            results.append({"kind": kind, "depth": depth, "replicas": replicas, **times})
     finally:
         torch.set_num_threads(threads)
     return results
@@ -81,6 +101,7 @@ def summary(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         differences = [a - b for a, b in zip(case["with_rule"], case["without_rule"], strict=True)]
         rows.append(
             {
+                "kind": case["kind"],
                 "depth": case["depth"],
                 "replicas": case["replicas"],
                 "with_rule_us": statistics.median(case["with_rule"]),
@@ -103,8 +124,8 @@ def main(argv: list[str] | None = None) -> None:
     for row in summary(measure(arguments.loops, arguments.repeats)):
         low, high = row["ratio_range"]
         print(
-            f"depth {row['depth']:2d} x{row['replicas']}: with the rule {row['with_rule_us']:7.1f} us, without"
-            f" {row['without_rule_us']:7.1f} us, ratio {row['ratio']:.3f} [{low:.3f}, {high:.3f}],"
+            f"{row['kind']:6s} depth {row['depth']:2d} x{row['replicas']}: with the rule {row['with_rule_us']:7.1f} us,"
+            f" without {row['without_rule_us']:7.1f} us, ratio {row['ratio']:.3f} [{low:.3f}, {high:.3f}],"
             f" {row['difference_us']:+.1f} us; within {BUDGET:.0%}: {'met' if row['within_budget'] else 'NOT met'}"
         )
 

@@ -635,6 +635,17 @@ def move_averages_(averages: list[torch.Tensor], values: list[torch.Tensor], fac
     torch._foreach_add_(averages, values, alpha=factor)
 
 
+def copy_all_(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    """``target.copy_(value)`` for every pair, in one call into torch.
+
+    ``torch._foreach_copy_`` copies a list of tensors per call (one kernel per device where they live on one), as
+    ``move_averages_``'s foreach ops do; it exists in every torch this package supports. ``tests/test_compat.py``
+    checks it against ``copy_``.
+    """
+    with torch.no_grad():
+        torch._foreach_copy_(targets, values)
+
+
 def log_checker(module: Any, log: Callable[..., None]) -> Callable[..., None]:
     """``log`` (a namespace's ``LightningModule.log``) bound to a view of ``module`` that checks and records nothing.
 

@@ -285,6 +285,11 @@ def test_without_the_exchange_each_chunk_is_normalised_on_its_own() -> None:
         wrapper.close()
     torch.testing.assert_close(output[:3], nn.functional.batch_norm(x[:3], None, None, training=True))
     assert (output - nn.BatchNorm1d(3)(x)).abs().max() > 0.1
+    first_chunk = nn.BatchNorm1d(3)  # torch.nn.DataParallel keeps replica 0's running statistics: so does this
+    first_chunk(x[:3])
+    torch.testing.assert_close(model.running_mean, first_chunk.running_mean, atol=0, rtol=0)
+    torch.testing.assert_close(model.running_var, first_chunk.running_var, atol=0, rtol=0)
+    assert model.num_batches_tracked.item() == 1
 
 
 def test_a_layer_skipped_by_one_replica_is_an_error_not_a_hang() -> None:

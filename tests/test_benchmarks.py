@@ -192,7 +192,10 @@ def test_the_replica_rule_benchmark_measures_each_case_with_and_without_the_rule
     from benchmarks import replica_rule
 
     rows = replica_rule.summary(replica_rule.measure(loops=1, repeats=2, warmup=1))
-    assert [(row["depth"], row["replicas"]) for row in rows] == [(1, 2), (1, 4), (16, 2), (16, 4)]
+    cases = [(depth, replicas) for depth in (1, 16) for replicas in (2, 4)]
+    assert [(row["kind"], row["depth"], row["replicas"]) for row in rows] == [
+        (kind, depth, replicas) for kind in ("linear", "bn") for depth, replicas in cases
+    ]
     for row in rows:
         assert row["with_rule_us"] > 0
         assert row["without_rule_us"] > 0
@@ -200,4 +203,6 @@ def test_the_replica_rule_benchmark_measures_each_case_with_and_without_the_rule
         assert low <= row["ratio"] <= high
     replica_rule.main(["--loops", "1", "--repeats", "1"])
     printed = capsys.readouterr().out.splitlines()
-    assert [line.split(":")[0] for line in printed] == ["depth  1 x2", "depth  1 x4", "depth 16 x2", "depth 16 x4"]
+    cases = ["depth  1 x2", "depth  1 x4", "depth 16 x2", "depth 16 x4"]
+    expected = [f"{kind:6s} {case}" for kind in ("linear", "bn") for case in cases]
+    assert [line.split(":")[0] for line in printed] == expected

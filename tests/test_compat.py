@@ -507,6 +507,17 @@ def test_move_averages_updates_every_tensor_as_the_one_tensor_ops_do(dtype: torc
         torch.testing.assert_close(after, wanted, atol=0, rtol=0)
 
 
+def test_copy_all_copies_every_tensor_in_place_as_copy_does() -> None:
+    generator = torch.Generator().manual_seed(0)
+    targets = [torch.zeros(3), torch.zeros((), dtype=torch.long), torch.zeros(2, 2, dtype=torch.float64)]
+    values = [torch.randn(3, generator=generator), torch.tensor(7), torch.randn(2, 2, dtype=torch.float64)]
+    storages = [target.data_ptr() for target in targets]
+    _compat.copy_all_(targets, values)
+    for target, value, storage in zip(targets, values, storages, strict=True):
+        assert target.data_ptr() == storage  # the tensors given, written in place
+        torch.testing.assert_close(target, value, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("namespace", ["lightning.pytorch", "pytorch_lightning"])
 def test_log_checker_raises_what_self_log_raises_and_leaves_the_trainers_results_alone(namespace: str) -> None:
     import pytorch_lightning

@@ -466,13 +466,14 @@ def _bind(
     replica: nn.Module,
     guard: ReplicaGuard | None,
 ) -> Callable[[], Any]:
+    def call() -> Any:
+        return function(*args, **kwargs)
+
     if guard is not None:
-        return _guarded(_bind(function, args, kwargs, exchange, index, replica, None), guard)
+        # The guard is the innermost mode, the top of the stack: a torch function it passes on reaches the BatchNorm
+        # exchange with the guard set aside, so the exchange's own calls into torch do not go through it again.
+        call = _guarded(call, guard)
     if exchange is None:
-
-        def call() -> Any:
-            return function(*args, **kwargs)
-
         return call
 
     rendezvous = exchange.rendezvous
@@ -481,7 +482,7 @@ def _bind(
         mode = WholeBatchNorm(rendezvous, index, replica)
         try:
             with mode:
-                result = function(*args, **kwargs)
+                result = call()
         except BaseException as error:
             rendezvous.abort(error)
             raise

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from lightning_mgpu._compat import BatchNorm, version_counter
+from lightning_mgpu._compat import BatchNorm, copy_all_, version_counter
 from lightning_mgpu.errors import ReplicaStateError
 from lightning_mgpu.replica_state.parameters import difference, same_values
 
@@ -51,7 +51,10 @@ def settle_buffers(
     """What to write into the module's buffers after a call of several replicas, or ``ReplicaStateError``.
 
     A buffer counts as changed in a replica when the replica rebound it or changed it in place (its version counter
-    moved). Nothing is written here, so that a refusal elsewhere in the same step leaves the module unchanged too.
+    moved). torch's batch-norm kernel updates running statistics without moving the counter; with the exact
+    BatchNorm the package updates them itself, through ops that move it, and with ``per_replica_batchnorm`` a
+    BatchNorm layer's buffers are taken from the first replica as they are and other buffers compared by value.
+    Nothing is written here, so that a refusal elsewhere in the same step leaves the module unchanged too.
 
     Args:
         starts: each replica's, in batch order, recorded over the same modules in the same order.
@@ -64,42 +67,73 @@ def settle_buffers(
     Returns:
         ``(module, name, value, in_place)`` for each changed buffer; apply them with ``store_buffers``.
     """
-    updates: list[Update] = []
+    changed_buffers: list[tuple[nn.Module, str, list[object], bool, bool]] = []
     first = starts[0].entries
     for position, (original, _, recorded) in enumerate(first):
         first_kept = per_replica_batchnorm and isinstance(original, BatchNorm)
         for slot, (name, _, _) in enumerate(recorded):
             finals: list[object] = []
-            rebound = changed = False
+            rebound, changed = False, first_kept
             for replica in starts:
                 _, shell, buffers = replica.entries[position]
                 _, start, version = buffers[slot]
                 final = shell._buffers.get(name, _MISSING)
                 if final is not start:
                     rebound = changed = True
-                elif start is not None and _changed_in_place(start, version, original._buffers.get(name)):
-                    changed = True
+                elif start is not None and not changed:
+                    own = original._buffers.get(name)
+                    changed = _changed_in_place(start, -1 if per_replica_batchnorm else version, own)
                 finals.append(final)
             if changed:
-                path = f"self.{_buffer_path(names.get(id(original), ''), name)}"
-                value = finals[0] if first_kept else _agreed(finals, path, step)
-                updates.append((original, name, value, not rebound))
-    return updates
+                changed_buffers.append((original, name, finals, rebound, first_kept))
+    if not _all_alike([finals for _, _, finals, _, first_kept in changed_buffers if not first_kept]):
+        for original, name, finals, _, first_kept in changed_buffers:  # the first that differs, named
+            if not first_kept:
+                _agreed(finals, f"self.{_buffer_path(names.get(id(original), ''), name)}", step)
+    return [(original, name, finals[0], not rebound) for original, name, finals, rebound, _ in changed_buffers]
 
 
 def store_buffers(updates: list[Update]) -> None:
     """Write what ``settle_buffers`` returned into the module, in place where the replicas changed it in place."""
+    targets, values = [], []
     for module, name, value, in_place in updates:
         own = module._buffers.get(name)
         if value is _MISSING:
             del module._buffers[name]
         elif in_place and own is not None and isinstance(value, torch.Tensor) and _fits(own, value):
-            with torch.no_grad():
-                own.copy_(value)
+            targets.append(own)
+            values.append(value)
         elif isinstance(value, torch.Tensor) and own is not None:
             module._buffers[name] = value.to(own.device)
         else:
             module._buffers[name] = value  # type: ignore[assignment]
+    if targets:
+        copy_all_(targets, values)
+
+
+def _all_alike(values: list[list[object]]) -> bool:
+    """Whether every replica left each buffer alike, checked with one comparison per dtype and device where it can.
+
+    Each comparison is one call into torch (one device synchronisation on a GPU) over the buffers concatenated.
+    """
+    groups: dict[tuple[torch.dtype, torch.device], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for finals in values:
+        first = finals[0]
+        for final in finals[1:]:
+            if final is first:
+                continue
+            if not (
+                isinstance(first, torch.Tensor)
+                and isinstance(final, torch.Tensor)
+                and final.shape == first.shape
+                and final.dtype == first.dtype
+                and final.device == first.device
+            ):
+                return False
+            lefts, rights = groups.setdefault((first.dtype, first.device), ([], []))
+            lefts.append(first.reshape(-1))
+            rights.append(final.reshape(-1))
+    return all(same_values(torch.cat(lefts), torch.cat(rights)) for lefts, rights in groups.values())
 
 
 def _agreed(finals: list[object], path: str, step: str) -> object:
