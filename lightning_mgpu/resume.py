@@ -378,7 +378,7 @@ def _not_recreated(dataloader: DataLoader, cause: str) -> EpochRestartWarning:
 def _no_seed_warning(dataloader: DataLoader, done: int) -> EpochRestartWarning:
     name = type(dataloader).__name__
     cause = "the checkpoint holds nothing that tells its epoch's order (a seed or a generator's state)"
-    batches = "1 batch" if done == 1 else f"{done} batches"
+    batches = _batches(done)
     return EpochRestartWarning(
         f"Resuming mid-epoch, after {batches} of the epoch, from a checkpoint saved while the training DataLoader"
         f" {name} could not be re-created around a sampler that records its epoch's order: {cause}, so the epoch"
@@ -396,7 +396,7 @@ def _restart_warning(dataset: IterableDataset, done: int) -> str:
         if keeps_its_position(dataset)
         else ""
     )
-    batches = "1 batch" if done == 1 else f"{done} batches"
+    batches = _batches(done)
     return (
         f"Resuming mid-epoch, after {batches} of the epoch, with a training DataLoader over the IterableDataset"
         f" {name}, whose position is not in the checkpoint: the epoch starts again from the dataset's first batch,"
@@ -404,6 +404,10 @@ def _restart_warning(dataset: IterableDataset, done: int) -> str:
         " give the DataLoader Lightning's state_dict/load_state_dict protocol (torchdata's StatefulDataLoader saves the"
         " dataset's own state_dict), or resume from an end-of-epoch checkpoint."
     )
+
+
+def _batches(count: int) -> str:
+    return "1 batch" if count == 1 else f"{count} batches"
 
 
 def _gather_objects(state: dict[str, Any]) -> list[dict[str, Any]]:

@@ -127,12 +127,11 @@ def _all_alike(values: list[list[object]]) -> bool:
                 and isinstance(final, torch.Tensor)
                 and final.shape == first.shape
                 and final.dtype == first.dtype
-                and final.device == first.device
             ):
                 return False
             lefts, rights = groups.setdefault((first.dtype, first.device), ([], []))
             lefts.append(first.reshape(-1))
-            rights.append(final.reshape(-1))
+            rights.append(final.reshape(-1).to(first.device))  # a replica on another GPU: compared on the first's
     return all(same_values(torch.cat(lefts), torch.cat(rights)) for lefts, rights in groups.values())
 
 

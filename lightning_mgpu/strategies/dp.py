@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -331,8 +332,8 @@ def _collated_by_torch(module: pl.LightningModule, step: str) -> bool:
     if not loaders or not all(_collates_by_default(loader) for loader in loaders):
         return False
     datamodule = getattr(trainer, "datamodule", None)  # set by the Trainer's data connector, undeclared
-    owners = [module] if datamodule is None else [module, datamodule]
-    return not any(_overrides_batch_hook(owner, hook) for owner in owners for hook in _BATCH_HOOKS)
+    kinds: list[type] = [type(module)] if datamodule is None else [type(module), type(datamodule)]
+    return not any(_overrides_batch_hook(kind, hook) for kind in kinds for hook in _BATCH_HOOKS)
 
 
 def _leaves(iterables: Any) -> list[Any]:
@@ -348,9 +349,10 @@ def _collates_by_default(loader: Any) -> bool:
     return isinstance(loader, DataLoader) and loader.batch_sampler is not None and loader.collate_fn is default_collate
 
 
-def _overrides_batch_hook(owner: Any, hook: str) -> bool:
-    """Whether ``owner``'s class defines ``hook`` itself, above Lightning's ``DataHooks`` (in either namespace)."""
-    for cls in type(owner).__mro__:
+@functools.lru_cache(maxsize=256)  # asked every step, of the same few classes
+def _overrides_batch_hook(kind: type, hook: str) -> bool:
+    """Whether ``kind`` defines ``hook`` itself, above Lightning's ``DataHooks`` (in either namespace)."""
+    for cls in kind.__mro__:
         if hook in vars(cls):
             return cls.__name__ != "DataHooks"
     return False
