@@ -10,7 +10,7 @@ reads ``trainer.estimated_stepping_batches``, which sets the data up before the 
 ``IterableDataset`` yields its samples itself, with no sampler to wrap: a plain DataLoader over one restarts the
 epoch from the dataset's first batch, as on one device, and a warning says so.
 
-The training DataLoader stays the user's own object wherever no order needs recording: a ``SequentialSampler``'s
+The training DataLoader stays the one given wherever no order needs recording: a ``SequentialSampler``'s
 order needs no seed, so its loader is re-created only to resume mid-epoch. A DataLoader that cannot be re-created
 (an ``__init__`` argument not kept as an attribute) trains unchanged, as on one device; a mid-epoch checkpoint then
 restarts its epoch on resume, as Lightning does, and one warning says so when such a checkpoint is saved or resumed.
