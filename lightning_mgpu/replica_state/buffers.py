@@ -89,7 +89,7 @@ def settle_buffers(
     if not _all_alike([finals for _, _, finals, _, first_kept in changed_buffers if not first_kept]):
         for original, name, finals, _, first_kept in changed_buffers:  # the first that differs, named
             if not first_kept:
-                _agreed(finals, f"self.{_buffer_path(names.get(id(original), ''), name)}", step)
+                _refuse_unlike(finals, f"self.{_buffer_path(names.get(id(original), ''), name)}", step)
     return [(original, name, finals[0], not rebound) for original, name, finals, rebound, _ in changed_buffers]
 
 
@@ -135,8 +135,8 @@ def _all_alike(values: list[list[object]]) -> bool:
     return all(same_values(torch.cat(lefts), torch.cat(rights)) for lefts, rights in groups.values())
 
 
-def _agreed(finals: list[object], path: str, step: str) -> object:
-    """The value every replica left, or ``ReplicaStateError`` naming the first replica that left another."""
+def _refuse_unlike(finals: list[object], path: str, step: str) -> None:
+    """``ReplicaStateError`` naming the first replica that left the buffer other than replica 0 did, if one did."""
     first = finals[0]
     for index, final in enumerate(finals[1:], start=1):
         if final is first:
@@ -155,7 +155,6 @@ def _agreed(finals: list[object], path: str, step: str) -> object:
             step,
             buffer=True,
         )
-    return first
 
 
 def _changed_in_place(copy: torch.Tensor, version: int, own: torch.Tensor | None) -> bool:
