@@ -42,15 +42,22 @@ class ReplicaGuard(TorchFunctionMode):
         kwargs = kwargs or {}
         if _dynamo_compiling():
             # Traced by torch.compile: the cache shared by every replica would become a guard of the compiled graph
-            # that another replica's thread invalidates as it fills the cache (a recompile, or a failed guard).
+            # that another replica's thread invalidates as it fills the cache (a recompile, or a failed guard); and
+            # the bookkeeping of a write or a draw, which reads the replica's own tensors by identity, runs outside the
+            # graph (a graph break at the write), as it would make the graph guard on them, and they change each call.
             kind = _kind(func)
-        else:
-            cached = _KINDS.get(func)
-            if cached is None:
-                cached = _KINDS[func] = _kind(func)
-            kind = cached
-        if kind == _PLAIN and "out" not in kwargs:
+            if kind == _PLAIN and "out" not in kwargs:
+                return func(*args, **kwargs)
+            return _route_untraced(self, kind, func, args, kwargs)
+        cached = _KINDS.get(func)
+        if cached is None:
+            cached = _KINDS[func] = _kind(func)
+        if cached == _PLAIN and "out" not in kwargs:
             return func(*args, **kwargs)
+        return self.route(cached, func, args, kwargs)
+
+    def route(self, kind: int, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A view, a write or a draw: the replica's own tensors and generator take the place of the shared ones."""
         if kind == _VIEW:
             result = func(*args, **kwargs)
             if func.__name__ == "__set__":
@@ -64,6 +71,9 @@ class ReplicaGuard(TorchFunctionMode):
         if draws(func):
             return self.random.call(func, args, kwargs)
         return func(*args, **kwargs)
+
+
+_route_untraced = torch.compiler.disable(ReplicaGuard.route)
 
 
 _PLAIN, _VIEW, _OTHER = 0, 1, 2
