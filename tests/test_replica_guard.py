@@ -485,3 +485,137 @@ def test_the_drop_in_wrapper_refuses_a_buffer_its_replicas_leave_apart_and_keeps
         assert torch.equal(module.mean, torch.ones(3))
     finally:
         wrapper.close()
+
+
+_PROCESS_SETTINGS = {
+    "torch.set_default_dtype": (
+        lambda: torch.set_default_dtype(torch.float64),
+        torch.get_default_dtype,
+        torch.set_default_dtype,
+    ),
+    "torch.use_deterministic_algorithms": (
+        lambda: torch.use_deterministic_algorithms(True, warn_only=True),
+        lambda: (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()),
+        lambda value: torch.use_deterministic_algorithms(value[0], warn_only=value[1]),
+    ),
+    "torch.autograd.set_detect_anomaly": (
+        lambda: torch.autograd.set_detect_anomaly(True),
+        lambda: (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
+        lambda value: torch.autograd.set_detect_anomaly(value[0], check_nan=value[1]),
+    ),
+    "torch.set_float32_matmul_precision": (
+        lambda: torch.set_float32_matmul_precision("high"),
+        torch.get_float32_matmul_precision,
+        torch.set_float32_matmul_precision,
+    ),
+    "torch.backends.cudnn": (
+        lambda: setattr(torch.backends.cudnn, "benchmark", True),
+        lambda: (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic),
+        lambda value: setattr(torch.backends.cudnn, "benchmark", value[0]),
+    ),
+}
+
+
+class _SetsASetting(L.LightningModule):
+    """Changes a process-wide torch setting in ``training_step``, or in ``on_train_batch_start`` (``in_hook``)."""
+
+    def __init__(self, change: Any, in_hook: bool = False) -> None:
+        super().__init__()
+        self.change = change
+        self.in_hook = in_hook
+        self.layer = nn.Linear(4, 1).double()
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.in_hook:
+            self.change()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if not self.in_hook:
+            self.change()
+        (x,) = batch
+        return self.layer(x).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("setting", list(_PROCESS_SETTINGS))
+def test_a_process_wide_torch_setting_changed_inside_the_replicas_stops_the_first_step_and_is_put_back(
+    setting: str,
+) -> None:
+    change, read, write = _PROCESS_SETTINGS[setting]
+    before = read()
+    try:
+        for devices in (2, 3):
+            for _ in range(2):
+                model = _SetsASetting(change)
+                start = parameters(model)
+                with pytest.raises(ReplicaStateError, match="one setting for the whole process") as raised:
+                    _fit(model, devices)
+                assert raised.value.path == setting
+                assert raised.value.step == "training_step"
+                assert f"It is back at {before}" in str(raised.value)
+                assert read() == before
+                assert_same_parameters(parameters(model), start, atol=0)
+        # On one device torch accepts it: the same model trains.
+        model = _SetsASetting(change)
+        start = parameters(model)
+        _fit(model, 1)
+        assert not torch.equal(parameters(model)["layer.weight"], start["layer.weight"])
+    finally:
+        write(before)
+
+
+def test_a_process_wide_setting_changed_in_a_hook_outside_the_replicas_trains_as_on_one_device() -> None:
+    def change() -> None:
+        torch.set_float32_matmul_precision("high")
+
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.manual_seed(3)
+        one_device = _fit(_SetsASetting(change, in_hook=True), 1)
+        for devices in (2, 3):
+            for _ in range(2):
+                torch.set_float32_matmul_precision(before)
+                torch.manual_seed(3)
+                assert_same_parameters(_fit(_SetsASetting(change, in_hook=True), devices), one_device)
+                assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+class _CatchesWarnings(L.LightningModule):
+    """Each replica enters ``warnings.catch_warnings`` and replica 0 leaves first: the blocks interleave."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 1).double()
+        self.entered = threading.Barrier(2, timeout=30)
+        self.left = threading.Barrier(2, timeout=30)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("ignore")
+            if self.replica_index == 0:
+                self.entered.wait()  # replica 1 enters after replica 0 ...
+            else:
+                self.entered.wait()
+                time.sleep(0.01)
+                self.left.wait()  # ... and leaves after it, putting back replica 0's filters
+                return self.layer(x).pow(2).mean()
+        self.left.wait()
+        return self.layer(x).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_warning_filters_that_interleaved_catch_warnings_blocks_leave_behind_are_put_back() -> None:
+    filters, show = list(warnings.filters), warnings.showwarning
+    for _ in range(2):
+        found = warnings.filters
+        _fit(_CatchesWarnings(), 2)
+        assert warnings.filters is found
+        assert warnings.filters == filters
+        assert warnings.showwarning is show

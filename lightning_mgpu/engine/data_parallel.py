@@ -230,6 +230,7 @@ class MGPUDataParallel(nn.Module):
             for index, (replica, (args, kwargs)) in enumerate(zip(replicas, calls, strict=True))
         ]
         outputs = self._apply_in_threads(bound, devices, context)
+        self._replicate.settle_process(method)
         if exchange is not None:
             self._batch_statistics.record(method, exchange)
         return outputs

@@ -146,6 +146,14 @@ class ReplicaCache:
             _check_stored_method(structure.originals[0], method)
         return self._states.begin(self._aliases, method or "forward")
 
+    def settle_process(self, method: str | None) -> None:
+        """Right after the replicas of the last call, in the caller's contexts: process-wide settings they changed.
+
+        See ``lightning_mgpu.replica_state.process``; a refusal comes before anything else of the call is settled.
+        """
+        if self._structure is not None and len(self._aliases) > 1:
+            self._states.settle_process(method or "forward")
+
     def settle(
         self,
         sizes: Sequence[int] | None,

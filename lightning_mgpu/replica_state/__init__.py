@@ -3,7 +3,8 @@
 A replica's step is one device's step on its chunk. A change every replica makes alike is applied once; a change
 that combines exactly is combined as step outputs are gathered; anything else stops the step with
 ``ReplicaStateError`` before the module changes. ``guard`` routes what torch keeps per process (parameter storage,
-the default generator) to each replica's own, and ``buffers`` settles each replica's copies of the module's buffers;
+the default generator) to each replica's own, ``process`` puts back the process-wide settings a step changed and
+refuses the step, and ``buffers`` settles each replica's copies of the module's buffers;
 the containers and metrics a step changes are copied per replica by ``lightning_mgpu.engine.containers`` and
 ``lightning_mgpu.engine.metrics``.
 """

@@ -19,6 +19,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_mgpu.replica_state import parameters
 from lightning_mgpu.replica_state.parameters import ParameterWrites, written_tensors
+from lightning_mgpu.replica_state.process import ProcessSettings
 from lightning_mgpu.replica_state.random import DefaultGenerator, ReplicaRandom, StepSeed, draws
 
 _DATA = torch.Tensor.data
@@ -98,17 +99,25 @@ class ReplicaStates:
         self._generators: list[dict[torch.device, torch.Generator]] = []
         self._writes: list[ParameterWrites] = []
         self._seed: StepSeed | None = None
+        self._process: ProcessSettings | None = None
 
     def begin(self, aliases: Sequence[dict[int, torch.Tensor]], step: str) -> list[ReplicaGuard]:
         """One guard per replica of a call about to run; ``aliases[i]`` maps each parameter's ``id`` to replica i's."""
         while len(self._generators) < len(aliases):
             self._generators.append({})
         seed = self._seed = self._default.begin()
+        self._process = ProcessSettings()
         self._writes = [ParameterWrites(own) for own in aliases]
         return [
             ReplicaGuard(writes, ReplicaRandom(index, seed, self._generators[index]), step)
             for index, writes in enumerate(self._writes)
         ]
+
+    def settle_process(self, step: str) -> None:
+        """After the call, first: process-wide settings the replicas changed are put back, and the call refused."""
+        process, self._process = self._process, None
+        if process is not None:
+            process.settle(step)
 
     def settle(self, module: nn.Module, step: str) -> None:
         """After the call: parameters the replicas changed alike are changed once, or the call is refused."""
