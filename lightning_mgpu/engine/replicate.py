@@ -144,7 +144,8 @@ class ReplicaCache:
             return None
         if method is not None:
             _check_stored_method(structure.originals[0], method)
-        return self._states.begin(self._aliases, method or "forward")
+        own_buffers = [starts.tensor_ids for starts in self._buffer_starts]
+        return self._states.begin(self._aliases, method or "forward", own_buffers)
 
     def settle_process(self, method: str | None) -> None:
         """Right after the replicas of the last call, in the caller's contexts: process-wide settings they changed.

@@ -29,16 +29,19 @@ _MISSING = object()
 class BufferStarts:
     """One replica's buffers as its call begins: each module's shell, with every buffer and its version counter."""
 
-    __slots__ = ("entries",)
+    __slots__ = ("entries", "tensor_ids")
 
     def __init__(self) -> None:
         self.entries: list[tuple[nn.Module, nn.Module, list[tuple[str, torch.Tensor | None, int]]]] = []
+        self.tensor_ids: set[int] = set()
+        """The ``id`` of each buffer copy recorded: the replica's own, alive for the call, written without a check."""
 
     def add(self, original: nn.Module, shell: nn.Module) -> None:
         """Record ``shell``'s buffers (``original``'s copies) before the call runs."""
         buffers = shell._buffers.items()
         versions = [(name, buffer, -1 if buffer is None else version_counter(buffer)) for name, buffer in buffers]
         self.entries.append((original, shell, versions))
+        self.tensor_ids.update(map(id, shell._buffers.values()))
 
 
 Update = tuple[nn.Module, str, object, bool]
@@ -112,11 +115,12 @@ def store_buffers(updates: list[Update]) -> None:
 
 
 def _all_alike(values: list[list[object]]) -> bool:
-    """Whether every replica left each buffer alike, checked with one comparison per dtype and device where it can.
+    """Whether every replica left each buffer alike, checked with one comparison per dtype, device and shape.
 
-    Each comparison is one call into torch (one device synchronisation on a GPU) over the buffers concatenated.
+    Each comparison is one call into torch (one device synchronisation on a GPU) over the buffers stacked: a net's
+    BatchNorm layers of one width are one comparison for their statistics and one for their counts.
     """
-    groups: dict[tuple[torch.dtype, torch.device], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    groups: dict[tuple[torch.dtype, torch.device, torch.Size], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for finals in values:
         first = finals[0]
         for final in finals[1:]:
@@ -129,10 +133,11 @@ def _all_alike(values: list[list[object]]) -> bool:
                 and final.dtype == first.dtype
             ):
                 return False
-            lefts, rights = groups.setdefault((first.dtype, first.device), ([], []))
-            lefts.append(first.reshape(-1))
-            rights.append(final.reshape(-1).to(first.device))  # a replica on another GPU: compared on the first's
-    return all(same_values(torch.cat(lefts), torch.cat(rights)) for lefts, rights in groups.values())
+            lefts, rights = groups.setdefault((first.dtype, first.device, first.shape), ([], []))
+            lefts.append(first)
+            # A replica on another GPU: compared on the first's.
+            rights.append(final if final.device == first.device else final.to(first.device))
+    return all(same_values(torch.stack(lefts), torch.stack(rights)) for lefts, rights in groups.values())
 
 
 def _refuse_unlike(finals: list[object], path: str, step: str) -> None:

@@ -11,6 +11,7 @@ refuses it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
@@ -69,7 +70,7 @@ class ReplicaGuard(TorchFunctionMode):
         written = written_tensors(func, args, kwargs)
         if written:
             self.writes.before_write(written, getattr(func, "__name__", str(func)), self.step)
-        if draws(func):
+        if kind == _DRAW:
             return self.random.call(func, args, kwargs)
         return func(*args, **kwargs)
 
@@ -77,17 +78,20 @@ class ReplicaGuard(TorchFunctionMode):
 _route_untraced = torch.compiler.disable(ReplicaGuard.route)
 
 
-_PLAIN, _VIEW, _OTHER = 0, 1, 2
+_PLAIN, _VIEW, _WRITE, _DRAW = 0, 1, 2, 3
 _KINDS: dict[Any, int] = {}
-"""Each torch function seen in a replica, by what the guard does with it: nothing, a view of a tensor, more."""
+"""Each torch function seen in a replica, by what the guard does with it: nothing, a view of a tensor, a possible
+write (``out=`` makes any function one), a draw of random numbers (which may write too, ``bernoulli_``)."""
 
 
 def _kind(func: Any) -> int:
     if func is _DETACH or getattr(func, "__self__", None) is _DATA:
         return _VIEW
+    if draws(func):
+        return _DRAW
     name = getattr(func, "__name__", "")
-    if name.endswith("_") or name == "__setitem__" or draws(func):
-        return _OTHER
+    if name.endswith("_") or name == "__setitem__":
+        return _WRITE
     return _PLAIN
 
 
@@ -101,13 +105,20 @@ class ReplicaStates:
         self._seed: StepSeed | None = None
         self._process: ProcessSettings | None = None
 
-    def begin(self, aliases: Sequence[dict[int, torch.Tensor]], step: str) -> list[ReplicaGuard]:
-        """One guard per replica of a call about to run; ``aliases[i]`` maps each parameter's ``id`` to replica i's."""
+    def begin(
+        self, aliases: Sequence[dict[int, torch.Tensor]], step: str, own_buffers: Sequence[AbstractSet[int]] = ()
+    ) -> list[ReplicaGuard]:
+        """One guard per replica of a call about to run.
+
+        ``aliases[i]`` maps each parameter's ``id`` to replica i's; ``own_buffers[i]``, where given, holds the
+        ``id`` of each buffer copy of replica i's own (``lightning_mgpu.replica_state.buffers.BufferStarts``).
+        """
         while len(self._generators) < len(aliases):
             self._generators.append({})
         seed = self._seed = self._default.begin()
         self._process = ProcessSettings()
-        self._writes = [ParameterWrites(own) for own in aliases]
+        buffers = list(own_buffers) or [frozenset()] * len(aliases)
+        self._writes = [ParameterWrites(own, ids) for own, ids in zip(aliases, buffers, strict=True)]
         return [
             ReplicaGuard(writes, ReplicaRandom(index, seed, self._generators[index]), step)
             for index, writes in enumerate(self._writes)

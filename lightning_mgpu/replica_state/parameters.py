@@ -13,6 +13,7 @@ same value gets that value once, which is one device's result; any other change 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
@@ -51,10 +52,13 @@ class ParameterWrites:
 
     Args:
         aliases: the replica's own tensor for each of the module's parameters, by the parameter's ``id``.
+        own_buffers: the ``id`` of each buffer copy of the replica's own, which shares no parameter's storage: a
+            write to one needs no check (BatchNorm's ``num_batches_tracked.add_(1)`` in every layer, every step).
     """
 
-    def __init__(self, aliases: dict[int, torch.Tensor]) -> None:
+    def __init__(self, aliases: dict[int, torch.Tensor], own_buffers: AbstractSet[int] = frozenset()) -> None:
         self.aliases = aliases
+        self._own_buffers = own_buffers
         self._original_of: dict[int, int] | None = None
         self._shared: set[int] | None = None
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -91,8 +95,13 @@ class ParameterWrites:
 
     def before_write(self, tensors: list[torch.Tensor], name: str, step: str) -> None:
         """Give each alias among ``tensors`` a private copy before it is written; refuse other writes to parameters."""
+        own_buffers = self._own_buffers
+        if all(id(tensor) in own_buffers for tensor in tensors):
+            return  # the common write: BatchNorm's num_batches_tracked.add_(1)
         originals = self._originals()
         for tensor in tensors:
+            if id(tensor) in own_buffers:
+                continue
             original = originals.get(id(tensor))
             if original is not None:
                 self._write(original, tensor, direct=True)

@@ -20,40 +20,38 @@ import torch
 from lightning_mgpu.errors import ReplicaStateError
 
 
-def _deterministic() -> tuple[bool, bool]:
-    return torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+def _read_all() -> tuple[Any, ...]:
+    """Every setting's value, in ``_SETTINGS``'s order, in one call: read twice a step, so kept to C calls."""
+    cudnn = torch.backends.cudnn
+    return (
+        torch.get_default_dtype(),
+        (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()),
+        (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
+        torch.get_float32_matmul_precision(),
+        (cudnn.benchmark, cudnn.deterministic),
+    )
 
 
 def _set_deterministic(value: tuple[bool, bool]) -> None:
     torch.use_deterministic_algorithms(value[0], warn_only=value[1])
 
 
-def _anomaly() -> tuple[bool, bool]:
-    return torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()
-
-
 def _set_anomaly(value: tuple[bool, bool]) -> None:
     torch.autograd.set_detect_anomaly(value[0], check_nan=value[1])
-
-
-def _cudnn() -> tuple[bool, bool]:
-    return torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic
 
 
 def _set_cudnn(value: tuple[bool, bool]) -> None:
     torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = value
 
 
-_SETTINGS: tuple[tuple[str, str, Callable[[], Any], Callable[[Any], None]], ...] = (
-    ("the default dtype", "torch.set_default_dtype", torch.get_default_dtype, torch.set_default_dtype),
-    ("deterministic algorithms (enabled, warn_only)", "torch.use_deterministic_algorithms", _deterministic,
-     _set_deterministic),
-    ("anomaly detection (enabled, check_nan)", "torch.autograd.set_detect_anomaly", _anomaly, _set_anomaly),
-    ("the float32 matmul precision", "torch.set_float32_matmul_precision", torch.get_float32_matmul_precision,
-     torch.set_float32_matmul_precision),
-    ("cuDNN's (benchmark, deterministic)", "torch.backends.cudnn", _cudnn, _set_cudnn),
-)  # fmt: skip
-"""Each setting: what it is, where a step sets it, how to read it, how to put it back."""
+_SETTINGS: tuple[tuple[str, str, Callable[[Any], None]], ...] = (
+    ("the default dtype", "torch.set_default_dtype", torch.set_default_dtype),
+    ("deterministic algorithms (enabled, warn_only)", "torch.use_deterministic_algorithms", _set_deterministic),
+    ("anomaly detection (enabled, check_nan)", "torch.autograd.set_detect_anomaly", _set_anomaly),
+    ("the float32 matmul precision", "torch.set_float32_matmul_precision", torch.set_float32_matmul_precision),
+    ("cuDNN's (benchmark, deterministic)", "torch.backends.cudnn", _set_cudnn),
+)
+"""Each setting, in ``_read_all``'s order: what it is, where a step sets it, how to put it back."""
 
 
 class ProcessSettings:
@@ -62,7 +60,7 @@ class ProcessSettings:
     __slots__ = ("_filters", "_showwarning", "_values")
 
     def __init__(self) -> None:
-        self._values = [read() for _, _, read, _ in _SETTINGS]
+        self._values = _read_all()
         self._filters = warnings.filters
         self._showwarning = warnings.showwarning
 
@@ -72,9 +70,11 @@ class ProcessSettings:
             warnings.filters = self._filters
         if warnings.showwarning is not self._showwarning:
             warnings.showwarning = self._showwarning
+        now = _read_all()
+        if now == self._values:
+            return
         changed = []
-        for (what, where, read, write), before in zip(_SETTINGS, self._values, strict=True):
-            after = read()
+        for (what, where, write), before, after in zip(_SETTINGS, self._values, now, strict=True):
             if after != before:
                 write(before)
                 changed.append((what, where, before, after))
