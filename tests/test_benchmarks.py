@@ -206,3 +206,19 @@ def test_the_replica_rule_benchmark_measures_each_case_with_and_without_the_rule
     cases = ["depth  1 x2", "depth  1 x4", "depth 16 x2", "depth 16 x4"]
     expected = [f"{kind:6s} {case}" for kind in ("linear", "bn") for case in cases]
     assert [line.split(":")[0] for line in printed] == expected
+
+
+@pytest.mark.slow
+def test_the_side_by_side_benchmark_times_two_trees_in_alternating_worker_processes(tmp_path: Path) -> None:
+    from benchmarks import against
+
+    root = Path(against.__file__).resolve().parents[1]
+    (row,) = against.measure(root, loops=1, repeats=2, warmup=1, cases=[("bn", 1, 2)], this=root)
+    assert (row["kind"], row["depth"], row["replicas"]) == ("bn", 1, 2)
+    assert row["this_us"] > 0
+    assert row["other_us"] > 0
+    low, high = row["ratio_range"]
+    assert 0 < low <= row["ratio"] <= high
+    with pytest.raises(SystemExit) as stopped:
+        against.main([str(tmp_path)])
+    assert stopped.value.code == 2

@@ -1,0 +1,168 @@
+"""The engine of this tree against the engine of another source tree of the package, side by side in one run.
+
+``benchmarks.replica_rule`` isolates the replica-state rule inside one engine; this compares whole engines, as a
+user moving from one release to another meets them: the same proxy step (``nn.Sequential`` of ``Linear(4, 4)``,
+rows ``bn`` with a ``BatchNorm1d`` after every layer; 8 rows, forward + backward + SGD step, one intra-op thread)
+under ``MGPUDataParallel`` on virtual CPU replicas, one worker process per tree, importing the package from its
+tree. Each repeat times a loop of calls in each worker, the order alternating; a row reports the median of the
+per-repeat ratios (this tree / the other) with their min and max.
+
+    git worktree add /tmp/before <commit>
+    python -m benchmarks.against /tmp/before
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+CASES = tuple((kind, depth, replicas) for kind in ("linear", "bn") for depth in (1, 16) for replicas in (2, 4))
+"""``benchmarks.replica_rule``'s cases: (kind, depth, replicas)."""
+
+_WORKER = r"""
+import gc, sys, time
+import torch
+from torch import nn
+from lightning_mgpu import MGPUDataParallel
+
+torch.set_num_threads(1)
+kind, depth, replicas = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+with torch.random.fork_rng(devices=[]):
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(depth):
+        layers.append(nn.Linear(4, 4))
+        if kind == "bn":
+            layers.append(nn.BatchNorm1d(4))
+net = nn.Sequential(*layers)
+optimizer = torch.optim.SGD(net.parameters(), lr=1e-3)
+x = torch.randn(8, 4, generator=torch.Generator().manual_seed(depth))
+wrapper = MGPUDataParallel(net, [torch.device("cpu")] * replicas)
+
+
+def step():
+    output = wrapper(x)
+    optimizer.zero_grad()
+    output.square().mean().backward()
+    optimizer.step()
+
+
+for _ in range(int(sys.argv[4])):
+    step()
+gc.disable()
+import lightning_mgpu
+
+print("ready", lightning_mgpu.__file__, flush=True)
+for line in sys.stdin:
+    loops = int(line)
+    start = time.perf_counter()
+    for _ in range(loops):
+        step()
+    print((time.perf_counter() - start) / loops * 1e6, flush=True)
+"""
+
+
+class _Worker:
+    """One process running the proxy step with the package imported from ``tree``."""
+
+    def __init__(self, tree: Path, case: tuple[str, int, int], warmup: int) -> None:
+        kind, depth, replicas = case
+        self._process = subprocess.Popen(
+            [sys.executable, "-c", _WORKER, kind, str(depth), str(replicas), str(warmup)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(tree)},
+            cwd=tree,  # ``python -c`` puts its folder first on sys.path, before PYTHONPATH
+        )
+        ready, _, imported = self._read().partition(" ")
+        if ready != "ready":
+            raise RuntimeError(f"the worker for {tree} did not start; run the proxy there by hand to see why")
+        if not Path(imported).resolve().is_relative_to(tree.resolve()):
+            self.close()
+            raise RuntimeError(
+                f"the worker for {tree} imported lightning_mgpu from {imported}: an install of the package comes"
+                " before the tree on sys.path there; compare in an environment without it"
+            )
+
+    def loop_us(self, loops: int) -> float:
+        """Microseconds per call over ``loops`` calls."""
+        assert self._process.stdin is not None
+        self._process.stdin.write(f"{loops}\n")
+        self._process.stdin.flush()
+        return float(self._read())
+
+    def _read(self) -> str:
+        assert self._process.stdout is not None
+        return self._process.stdout.readline().strip()
+
+    def close(self) -> None:
+        """End the process."""
+        if self._process.stdin is not None:
+            self._process.stdin.close()
+        self._process.wait(timeout=60)
+
+
+def measure(
+    other: Path,
+    loops: int = 20,
+    repeats: int = 41,
+    warmup: int = 10,
+    cases: Sequence[tuple[str, int, int]] = CASES,
+    this: Path | None = None,
+) -> list[dict[str, Any]]:
+    """Per case: microseconds per call of this tree's engine and of ``other``'s, ``repeats`` times, alternating."""
+    this = this or Path(__file__).resolve().parents[1]
+    results = []
+    for case in cases:
+        workers = {"this": _Worker(this, case, warmup), "other": _Worker(other, case, warmup)}
+        times: dict[str, list[float]] = {name: [] for name in workers}
+        try:
+            for repeat in range(repeats):
+                order = list(workers) if repeat % 2 == 0 else list(reversed(workers))
+                for name in order:
+                    times[name].append(workers[name].loop_us(loops))
+        finally:
+            for worker in workers.values():
+                worker.close()
+        kind, depth, replicas = case
+        ratios = [a / b for a, b in zip(times["this"], times["other"], strict=True)]
+        results.append(
+            {
+                "kind": kind,
+                "depth": depth,
+                "replicas": replicas,
+                "this_us": statistics.median(times["this"]),
+                "other_us": statistics.median(times["other"]),
+                "ratio": statistics.median(ratios),
+                "ratio_range": (min(ratios), max(ratios)),
+            }
+        )
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print each case's row."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.against", description=__doc__.splitlines()[0])
+    parser.add_argument("other", type=Path, help="the root of the other tree (the folder holding lightning_mgpu/)")
+    parser.add_argument("--loops", type=int, default=20, help="calls per timed loop (default 20)")
+    parser.add_argument("--repeats", type=int, default=41, help="timed loops per tree and case (default 41)")
+    arguments = parser.parse_args(argv)
+    if not (arguments.other / "lightning_mgpu" / "__init__.py").is_file():
+        parser.error(f"{arguments.other} holds no lightning_mgpu/: pass the root of a checkout of the package")
+    for row in measure(arguments.other, arguments.loops, arguments.repeats):
+        low, high = row["ratio_range"]
+        print(
+            f"{row['kind']:6s} depth {row['depth']:2d} x{row['replicas']}: this tree {row['this_us']:8.1f} us,"
+            f" the other {row['other_us']:8.1f} us, ratio {row['ratio']:.3f} [{low:.3f}, {high:.3f}]"
+        )
+
+
+if __name__ == "__main__":
+    main()
