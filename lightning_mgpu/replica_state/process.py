@@ -1,12 +1,13 @@
 """Settings torch and Python keep once per process: a step inside the replicas must leave them as it found them.
 
 Replicas are threads of one process, so a replica that sets the default dtype, deterministic algorithms, anomaly
-detection or the float32 matmul precision sets it for the others too, in the middle of their step, in whatever
-order the threads run: a tensor another replica creates a moment earlier or later differs. A setting the replicas
-left changed is put back and the step refused with ``ReplicaStateError``: the change belongs before ``fit`` or in a
-hook that runs once per step outside the replicas. ``warnings.catch_warnings`` blocks that the replicas' threads
-interleaved can leave the process with another block's filters (each block puts back what it found on entering);
-the filters and ``warnings.showwarning`` a call found are put back after it, as one device leaves them.
+detection, the float32 matmul precision or cuDNN's flags sets it for the others too, in the middle of their step,
+in whatever order the threads run: a tensor another replica creates a moment earlier or later differs. A setting
+the replicas left changed is put back and the step refused with ``ReplicaStateError``: the change belongs before
+``fit`` or in a hook that runs once per step outside the replicas. ``warnings.catch_warnings`` blocks that the
+replicas' threads interleaved can leave the process with another block's filters (each block puts back what it
+found on entering); the filters and ``warnings.showwarning`` a call found are put back after it, as one device
+leaves them.
 """
 
 from __future__ import annotations
@@ -78,15 +79,14 @@ class ProcessSettings:
             if after != before:
                 write(before)
                 changed.append((what, where, before, after))
-        if changed:
-            what, where, before, after = changed[0]
-            more = f" (and {', '.join(other[0] for other in changed[1:])})" if len(changed) > 1 else ""
-            raise ReplicaStateError(
-                f"{step} changed {what} inside the replicas, from {before} to {after}{more}. It is one setting for"
-                " the whole process, and the replicas are threads of it, so each replica's change reached the others"
-                " in the middle of their step, in whatever order the threads ran. Change it before fit, or in"
-                " on_train_batch_start (on_validation_batch_start, ...), which runs once per step outside the"
-                f" replicas; {where} inside a step works on one device only. It is back at {before}.",
-                where,
-                step,
-            )
+        what, where, before, after = changed[0]
+        more = f" (and {', '.join(other[0] for other in changed[1:])})" if len(changed) > 1 else ""
+        raise ReplicaStateError(
+            f"{step} changed {what} inside the replicas, from {before} to {after}{more}. It is one setting for"
+            " the whole process, and the replicas are threads of it, so each replica's change reached the others"
+            " in the middle of their step, in whatever order the threads ran. Change it before fit, or in"
+            " on_train_batch_start (on_validation_batch_start, ...), which runs once per step outside the"
+            f" replicas; {where} inside a step works on one device only. It is back at {before}.",
+            where,
+            step,
+        )
