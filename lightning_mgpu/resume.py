@@ -195,6 +195,9 @@ class ExactResume:
     _resume_state: dict[str, Any] | None = None
     _at_first_batch: dict[str, Any] | None = None
     _loader_states: list[Any] | None = None
+    _hiding: tuple[Any, ...] | None = None
+    """The warning filter that hides Lightning's not-resumable warning while a resumed epoch starts, until its first
+    batch (or the end of the run)."""
 
     def process_dataloader(self, dataloader: object) -> object:
         """Make the training DataLoader resume a mid-epoch checkpoint on exactly the remaining samples."""
@@ -235,8 +238,35 @@ class ExactResume:
         if pending is not None:
             skip = pending.get("sampler_skip", pending["skip_batches"]) * dataloader.batch_size
             wrapped.sampler.resume(pending["sampler_seed"], skip=skip, rng=pending.get("sampler_rng"))
-            warnings.filterwarnings("ignore", message=_NOT_RESUMABLE_WARNING)
+            self._hide_not_resumable_warning()
         return wrapped
+
+    def _hide_not_resumable_warning(self) -> None:
+        """Hide Lightning's not-resumable warning for the epoch this resume starts, where it is untrue or said better.
+
+        Lightning warns as its epoch loop starts; the filter is taken out again at the epoch's first batch
+        (``on_train_batch_start``) or at the end of the run, so the process's filters are left as they were. A filter
+        of your own that already hid the warning stays yours.
+        """
+        if self._hiding is not None:
+            return
+        found = list(warnings.filters)
+        warnings.filterwarnings("ignore", message=_NOT_RESUMABLE_WARNING)
+        added = warnings.filters[0]
+        if added not in found:
+            self._hiding = added
+
+    def _show_not_resumable_warning(self) -> None:
+        hiding, self._hiding = self._hiding, None
+        filters = warnings.filters
+        if hiding is not None and isinstance(filters, list):
+            with contextlib.suppress(ValueError):  # already gone: warnings.resetwarnings() or a filter list replaced
+                filters.remove(hiding)
+
+    def teardown(self) -> None:
+        """Take out the warning filter of a resume whose epoch never reached a batch."""
+        self._show_not_resumable_warning()
+        super().teardown()  # type: ignore[misc]
 
     def _check_recreatable(self) -> None:
         """Before a mid-epoch checkpoint is kept: warn if resuming it will restart its epoch.
@@ -270,7 +300,7 @@ class ExactResume:
         pending, self._resume_state = self._resume_state, None
         if pending is None or not pending["skip_batches"]:
             return
-        warnings.filterwarnings("ignore", message=_NOT_RESUMABLE_WARNING)  # ``warning`` says it, with the fix
+        self._hide_not_resumable_warning()  # ``warning`` says it, with the fix
         self._warn_restart(warning(pending["skip_batches"]))
 
     def _warn_restart(self, warning: Warning) -> None:
@@ -327,6 +357,7 @@ class ExactResume:
         Creating the resumed epoch's data iterator drew from the RNG once more than that run had at this point.
         """
         super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
+        self._show_not_resumable_warning()
         if batch_idx == 0:
             self._restarted_after = 0
         state, self._at_first_batch = self._at_first_batch, None
