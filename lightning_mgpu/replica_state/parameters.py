@@ -95,13 +95,10 @@ class ParameterWrites:
 
     def before_write(self, tensors: list[torch.Tensor], name: str, step: str) -> None:
         """Give each alias among ``tensors`` a private copy before it is written; refuse other writes to parameters."""
-        own_buffers = self._own_buffers
-        if all(id(tensor) in own_buffers for tensor in tensors):
-            return  # the common write: BatchNorm's num_batches_tracked.add_(1)
-        originals = self._originals()
         for tensor in tensors:
-            if id(tensor) in own_buffers:
-                continue
+            if id(tensor) in self._own_buffers:
+                continue  # the common write: BatchNorm's num_batches_tracked.add_(1), before any map is built
+            originals = self._originals()
             original = originals.get(id(tensor))
             if original is not None:
                 self._write(original, tensor, direct=True)
