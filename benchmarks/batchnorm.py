@@ -44,9 +44,9 @@ import torch.nn.functional as F  # noqa: N812 - torch's own spelling
 from torch import nn
 
 from lightning_mgpu.engine import MGPUDataParallel
-from lightning_mgpu.engine import batchnorm as exchange
-from lightning_mgpu.engine.batchnorm import ReplicaRendezvous
 from lightning_mgpu.engine.parallel_apply import ParallelApply
+from lightning_mgpu.replica_state import batchnorm as exchange
+from lightning_mgpu.replica_state.batchnorm import ReplicaRendezvous
 
 REPLICAS = 2
 ROWS, CHANNELS, SIZE = 8, 8, 8
@@ -107,12 +107,12 @@ if importlib.util.find_spec("timm") is not None:
     MODELS["timm_resnet4"] = lambda: nn.Sequential(*[_Block(timm=True) for _ in range(4)])
 PROFILED = "conv16_bn16"
 PROFILE_LABELS = (
-    ("lightning_mgpu.engine.batchnorm", "WholeBatchNorm.__torch_function__", "mgpu::function_mode"),
-    ("lightning_mgpu.engine.batchnorm", "WholeBatchNorm._normalise", "mgpu::bn_call"),
-    ("lightning_mgpu.engine.batchnorm", "ReplicaRendezvous.combine", "mgpu::bn_meeting"),
-    ("lightning_mgpu.engine.batchnorm", "_normalise_every_chunk", "mgpu::bn_whole_batch"),
-    ("lightning_mgpu.engine.batchnorm", "_whole_batch_statistics", "mgpu::bn_statistics"),
-    ("lightning_mgpu.engine.batchnorm", "_fused_backward", "mgpu::bn_backward"),
+    ("lightning_mgpu.replica_state.batchnorm", "WholeBatchNorm.__torch_function__", "mgpu::function_mode"),
+    ("lightning_mgpu.replica_state.batchnorm", "WholeBatchNorm._normalise", "mgpu::bn_call"),
+    ("lightning_mgpu.replica_state.batchnorm", "ReplicaRendezvous.combine", "mgpu::bn_meeting"),
+    ("lightning_mgpu.replica_state.batchnorm", "_normalise_every_chunk", "mgpu::bn_whole_batch"),
+    ("lightning_mgpu.replica_state.batchnorm", "_whole_batch_statistics", "mgpu::bn_statistics"),
+    ("lightning_mgpu.replica_state.batchnorm", "_fused_backward", "mgpu::bn_backward"),
     ("lightning_mgpu.engine.parallel_apply", "_Job.run", "mgpu::replica_thread"),
 )
 """(module, attribute path, label): the exchange's parts, in the order a step reaches them."""

@@ -164,7 +164,7 @@ def test_the_batchnorm_profile_labels_every_part_of_the_exchange_in_the_replica_
         assert calls["mgpu::function_mode"] > calls["mgpu::bn_call"], "every torch call of a replica goes through it"
     events = json.loads(trace.read_text())["traceEvents"]
     assert any(event.get("name") == "mgpu::bn_backward" for event in events)
-    from lightning_mgpu.engine import batchnorm as engine_batchnorm
+    from lightning_mgpu.replica_state import batchnorm as engine_batchnorm
 
     assert not hasattr(engine_batchnorm._fused_backward, "__wrapped__"), "the labels come off after the profile"
 

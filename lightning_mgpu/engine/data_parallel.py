@@ -9,7 +9,6 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from lightning_mgpu.engine.batchnorm import ReplicaRendezvous, WholeBatchNorm, batchnorm_layers, check_exchangeable
 from lightning_mgpu.engine.gather import gather
 from lightning_mgpu.engine.parallel_apply import ContextFactory, ParallelApply
 from lightning_mgpu.engine.replicate import ReplicaCache, all_on, modules_of
@@ -24,6 +23,12 @@ from lightning_mgpu.engine.scatter import (
 )
 from lightning_mgpu.errors import ConfigurationError
 from lightning_mgpu.replica_state import ReplicaGuard
+from lightning_mgpu.replica_state.batchnorm import (
+    ReplicaRendezvous,
+    WholeBatchNorm,
+    batchnorm_layers,
+    check_exchangeable,
+)
 
 DeviceLike = torch.device | str | int
 Call = tuple[tuple[Any, ...], dict[str, Any]]
@@ -75,7 +80,7 @@ class MGPUDataParallel(nn.Module):
             ``lightning_mgpu.engine.scatter``).
         sync_batchnorm: BatchNorm layers that normalise by batch statistics use the statistics of the whole batch,
             exchanged between the replicas, so they compute what one device computes (see
-            ``lightning_mgpu.engine.batchnorm``); ``False`` normalises each chunk by its own statistics, as
+            ``lightning_mgpu.replica_state.batchnorm``); ``False`` normalises each chunk by its own statistics, as
             ``torch.nn.DataParallel`` does.
         device_ids: ``torch.nn.DataParallel``'s name for ``devices``, so code written for it runs unchanged; pass
             one of the two.

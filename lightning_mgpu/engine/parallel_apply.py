@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from lightning_mgpu._compat import default_device, function_mode_depth
-from lightning_mgpu.engine.batchnorm import RendezvousAborted
+from lightning_mgpu.replica_state.batchnorm import RendezvousAborted
 
 ContextFactory = Callable[[], AbstractContextManager[Any]]
 

@@ -12,9 +12,9 @@ between steps and only re-points them at the module's current attributes, parame
 fraction of rebuilding them (see benchmarks/README.md).
 
 What a step may change besides parameters and buffers is never shared between replicas: each replica has its own copy
-of every torchmetrics metric (``lightning_mgpu.engine.metrics``) and of the plain lists, dicts and sets of the model's
-own code (``lightning_mgpu.engine.containers``), and ``ReplicaCache.settle`` puts what they changed back into the
-module after the call, in batch order, or refuses it.
+of every torchmetrics metric (``lightning_mgpu.replica_state.metrics``) and of the plain lists, dicts and sets of the
+model's own code (``lightning_mgpu.engine.containers``), and ``ReplicaCache.settle`` puts what they changed back into
+the module after the call, in batch order, or refuses it.
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ from torch import nn
 
 from lightning_mgpu import _compat
 from lightning_mgpu.engine.containers import Isolated, combine, combine_values, isolate
-from lightning_mgpu.engine.metrics import MetricReplicas, metric_units
 from lightning_mgpu.errors import ReplicaStateError
 from lightning_mgpu.library_code import is_library_class, kept_by_library
 from lightning_mgpu.replica_state import ReplicaGuard, ReplicaStates
 from lightning_mgpu.replica_state.buffers import BufferStarts, settle_buffers, store_buffers
+from lightning_mgpu.replica_state.metrics import MetricReplicas, metric_units
 
 
 class ReplicaCache:
@@ -166,7 +166,7 @@ class ReplicaCache:
 
         Parameters that every replica changed alike in place are changed once, and other changes of them refused
         (``lightning_mgpu.replica_state``); torchmetrics metrics merge their copies' states
-        (``lightning_mgpu.engine.metrics``), lists gain what every replica appended and sets what they added
+        (``lightning_mgpu.replica_state.metrics``), lists gain what every replica appended and sets what they added
         (``lightning_mgpu.engine.containers``), and buffers that replica 0 reassigned are stored on the module, as
         its in-place updates are; buffers that several replicas changed alike are changed once, and other changes
         of them refused (``lightning_mgpu.replica_state.buffers``). A refusal leaves the module's parameters and
@@ -203,7 +203,7 @@ class ReplicaCache:
     def resolve(self, value: Any, replica: int) -> tuple[nn.Module | None, Any] | None:
         """What ``value``, logged by replica ``replica`` in the last call, is on one device, if a metric made it.
 
-        See ``lightning_mgpu.engine.metrics.MetricReplicas.resolve``.
+        See ``lightning_mgpu.replica_state.metrics.MetricReplicas.resolve``.
         """
         structure = self._structure
         if structure is None or structure.metrics is None:

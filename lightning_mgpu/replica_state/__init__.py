@@ -4,9 +4,10 @@ A replica's step is one device's step on its chunk. A change every replica makes
 that combines exactly is combined as step outputs are gathered; anything else stops the step with
 ``ReplicaStateError`` before the module changes. ``guard`` routes what torch keeps per process (parameter storage,
 the default generator) to each replica's own, ``process`` puts back the process-wide settings a step changed and
-refuses the step, and ``buffers`` settles each replica's copies of the module's buffers;
-the containers and metrics a step changes are copied per replica by ``lightning_mgpu.engine.containers`` and
-``lightning_mgpu.engine.metrics``.
+refuses the step, ``buffers`` settles each replica's copies of the module's buffers, ``metrics`` gives each replica
+copies of the module's torchmetrics metrics and merges them back, and ``batchnorm`` normalises BatchNorm layers over
+the whole batch. The plain containers a step changes are copied per replica by ``lightning_mgpu.engine.containers``,
+which combines them with the rules that gather step outputs, beside them in the engine.
 """
 
 from lightning_mgpu.replica_state.guard import ReplicaGuard, ReplicaStates
