@@ -8,6 +8,10 @@ forward + backward + SGD step), and on the same with a ``BatchNorm1d`` after eve
 times a short loop of the engine with the rule and one without it (the engine as it was before the rule: replicas
 that share the module's parameters and the default generator, the first replica the module's buffers), in
 alternating order; a row reports the median of the per-repeat ratios and differences, with their min and max.
+
+``--model conv`` measures the same on a step with work in it instead (rows ``conv``): a small convolutional net (a
+3-to-16-channel stem, then ``depth`` blocks of ``Conv2d(16, 16, 3)``, ``BatchNorm2d`` and ``ReLU``, pooled into a
+``Linear(16, 10)``) on 16 images of 16 x 16, at depths 1 and 4, where the proxy's step is almost all engine.
 """
 
 from __future__ import annotations
@@ -29,6 +33,10 @@ from lightning_mgpu.replica_state import ReplicaGuard
 DEPTHS = (1, 16)
 REPLICAS = (2, 4)
 KINDS = ("linear", "bn")
+CONV_DEPTHS = (1, 4)
+CONV_IMAGES = (16, 3, 16, 16)
+"""The ``conv`` rows' batch: images, channels, height, width."""
+MODELS = {"proxy": (KINDS, DEPTHS), "conv": (("conv",), CONV_DEPTHS)}
 BUDGET = 0.10
 """The most the rule may add to a step: 10%."""
 
@@ -51,26 +59,41 @@ class _WithoutRule(ReplicaCache):
 
 
 def _case(kind: str, depth: int, replicas: int) -> _Case:
-    """``benchmarks.overhead``'s case, or the same net with a ``BatchNorm1d`` after every layer (``kind="bn"``)."""
+    """One case of ``kind``: ``linear``, ``bn`` or ``conv``.
+
+    ``benchmarks.overhead``'s case, the same net with a ``BatchNorm1d`` after every layer (``bn``), or the small
+    convolutional net of the module docstring on its images (``conv``).
+    """
     case = _Case(depth, replicas)
-    if kind == "bn":
-        case.close()
-        with torch.random.fork_rng(devices=[]):  # weights from a fixed seed, the caller's generator untouched
-            torch.manual_seed(0)
+    if kind == "linear":
+        return case
+    case.close()
+    with torch.random.fork_rng(devices=[]):  # weights and images from a fixed seed, the caller's generator untouched
+        torch.manual_seed(0)
+        if kind == "bn":
             layers = [(nn.Linear(FEATURES, FEATURES), nn.BatchNorm1d(FEATURES)) for _ in range(depth)]
-        case.net = nn.Sequential(*[layer for pair in layers for layer in pair])
-        case.optimizer = torch.optim.SGD(case.net.parameters(), lr=1e-3)
-        case.wrapper = type(case.wrapper)(case.net, [torch.device("cpu")] * replicas)
+            case.net = nn.Sequential(*[layer for pair in layers for layer in pair])
+        else:
+            blocks = [(nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU()) for _ in range(depth)]
+            head = (nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+            case.net = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), *[m for block in blocks for m in block], *head)
+            case.x = torch.randn(CONV_IMAGES)
+    case.optimizer = torch.optim.SGD(case.net.parameters(), lr=1e-3)
+    case.wrapper = type(case.wrapper)(case.net, [torch.device("cpu")] * replicas)
     return case
 
 
-def measure(loops: int, repeats: int, warmup: int = 10) -> list[dict[str, Any]]:
-    """Each case's microseconds per call with and without the rule, ``repeats`` times, alternating their order."""
+def measure(loops: int, repeats: int, warmup: int = 10, model: str = "proxy") -> list[dict[str, Any]]:
+    """Microseconds per call with and without the rule, ``repeats`` times, alternating their order.
+
+    ``model`` names the cases (``MODELS``): the proxy's ``linear`` and ``bn`` rows, or the ``conv`` rows.
+    """
+    kinds, depths = MODELS[model]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     results = []
     try:
-        for kind, depth, replicas in itertools.product(KINDS, DEPTHS, REPLICAS):
+        for kind, depth, replicas in itertools.product(kinds, depths, REPLICAS):
             with_rule, without_rule = _case(kind, depth, replicas), _case(kind, depth, replicas)
             without_rule.wrapper._replicate = _WithoutRule()  # noqa: SLF001 - the variant measured against
             variants = {"with_rule": with_rule.engine, "without_rule": without_rule.engine}
@@ -120,8 +143,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.replica_rule", description=__doc__.splitlines()[0])
     parser.add_argument("--loops", type=int, default=20, help="calls per timed loop (default 20)")
     parser.add_argument("--repeats", type=int, default=41, help="timed loops per variant and case (default 41)")
+    parser.add_argument(
+        "--model", choices=list(MODELS), default="proxy", help="the engine-only proxy (default) or a small conv net"
+    )
     arguments = parser.parse_args(argv)
-    for row in summary(measure(arguments.loops, arguments.repeats)):
+    for row in summary(measure(arguments.loops, arguments.repeats, model=arguments.model)):
         low, high = row["ratio_range"]
         print(
             f"{row['kind']:6s} depth {row['depth']:2d} x{row['replicas']}: with the rule {row['with_rule_us']:7.1f} us,"

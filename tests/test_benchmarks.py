@@ -208,6 +208,28 @@ def test_the_replica_rule_benchmark_measures_each_case_with_and_without_the_rule
     assert [line.split(":")[0] for line in printed] == expected
 
 
+def test_the_replica_rule_benchmark_measures_a_conv_net_on_images_when_asked(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from benchmarks import replica_rule
+
+    case = replica_rule._case("conv", 4, 2)
+    try:
+        assert tuple(case.x.shape) == replica_rule.CONV_IMAGES
+        kinds = [type(module).__name__ for module in case.net]
+        assert kinds.count("Conv2d") == 5, kinds
+        assert kinds.count("BatchNorm2d") == 4, kinds
+        assert case.wrapper.module is case.net
+    finally:
+        case.close()
+    replica_rule.main(["--model", "conv", "--loops", "1", "--repeats", "1"])
+    printed = capsys.readouterr().out.splitlines()
+    cases = ["depth  1 x2", "depth  1 x4", "depth  4 x2", "depth  4 x4"]
+    assert [line.split(":")[0] for line in printed] == [f"conv   {case}" for case in cases]
+    for line in printed:
+        assert float(line.split("with the rule")[1].split("us")[0]) > 0
+
+
 @pytest.mark.slow
 def test_the_side_by_side_benchmark_times_two_trees_in_alternating_worker_processes(tmp_path: Path) -> None:
     from benchmarks import against
