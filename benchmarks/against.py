@@ -7,8 +7,14 @@ under ``MGPUDataParallel`` on virtual CPU replicas, one worker process per tree,
 tree. Each repeat times a loop of calls in each worker, the order alternating; a row reports the median of the
 per-repeat ratios (this tree / the other) with their min and max.
 
+``--step lightning`` times a whole training step as a user meets it instead: the same net in a ``LightningModule``
+whose ``training_step`` returns the loss and logs it, under ``Trainer(strategy="mgpu_dp", devices=N)`` on the CPU,
+each timed loop a run of consecutive batches of one ``fit`` (Lightning's loop, the batch fetch, the step, backward
+and the optimizer step).
+
     git worktree add /tmp/before <commit>
     python -m benchmarks.against /tmp/before
+    python -m benchmarks.against /tmp/before --step lightning
 """
 
 from __future__ import annotations
@@ -25,22 +31,33 @@ from typing import Any
 CASES = tuple((kind, depth, replicas) for kind in ("linear", "bn") for depth in (1, 16) for replicas in (2, 4))
 """``benchmarks.replica_rule``'s cases: (kind, depth, replicas)."""
 
-_WORKER = r"""
-import gc, sys, time
+_PROXY = r"""
+import gc, os, sys, time
 import torch
 from torch import nn
-from lightning_mgpu import MGPUDataParallel
 
 torch.set_num_threads(1)
-kind, depth, replicas = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-with torch.random.fork_rng(devices=[]):
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(depth):
-        layers.append(nn.Linear(4, 4))
-        if kind == "bn":
-            layers.append(nn.BatchNorm1d(4))
-net = nn.Sequential(*layers)
+kind, depth, replicas, warmup = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+
+
+def proxy_net():
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        layers = []
+        for _ in range(depth):
+            layers.append(nn.Linear(4, 4))
+            if kind == "bn":
+                layers.append(nn.BatchNorm1d(4))
+    return nn.Sequential(*layers)
+"""
+"""Both workers' start: the arguments, one intra-op thread, and the proxy net, built from a fixed seed."""
+
+_WORKER = (
+    _PROXY
+    + r"""
+from lightning_mgpu import MGPUDataParallel
+
+net = proxy_net()
 optimizer = torch.optim.SGD(net.parameters(), lr=1e-3)
 x = torch.randn(8, 4, generator=torch.Generator().manual_seed(depth))
 wrapper = MGPUDataParallel(net, [torch.device("cpu")] * replicas)
@@ -53,7 +70,7 @@ def step():
     optimizer.step()
 
 
-for _ in range(int(sys.argv[4])):
+for _ in range(warmup):
     step()
 gc.disable()
 import lightning_mgpu
@@ -66,15 +83,84 @@ for line in sys.stdin:
         step()
     print((time.perf_counter() - start) / loops * 1e6, flush=True)
 """
+)
+
+_LIGHTNING_WORKER = (
+    _PROXY
+    + r"""
+import lightning.pytorch as L
+import lightning_mgpu  # registers mgpu_dp
+
+answers = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+sys.stdout = sys.stderr  # Lightning's messages stay out of the answers
+
+
+class Proxy(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = proxy_net()
+
+    def training_step(self, batch, batch_idx):
+        loss = self.net(batch[0]).square().mean()
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+class Clock(L.Callback):
+    # Answers each request for N steps with the microseconds per step of the next N consecutive batches.
+    def __init__(self):
+        self.left = 0
+        self.loops = 0
+        self.start = None
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if batch_idx < warmup:
+            return
+        if self.left == 0:
+            if self.start is None:
+                gc.disable()
+                print("ready", lightning_mgpu.__file__, file=answers, flush=True)
+            else:
+                print((time.perf_counter() - self.start) / self.loops * 1e6, file=answers, flush=True)
+            line = sys.stdin.readline()
+            if not line:
+                answers.close()
+                os._exit(0)
+            self.loops = self.left = int(line)
+            self.start = time.perf_counter()
+        self.left -= 1
+
+
+rows = torch.randn(8, 4, generator=torch.Generator().manual_seed(depth)).repeat(100_000, 1)
+loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(rows), batch_size=8)
+trainer = L.Trainer(
+    accelerator="cpu",
+    devices=replicas,
+    strategy="mgpu_dp",
+    max_epochs=1,
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    callbacks=[Clock()],
+)
+trainer.fit(Proxy(), loader)
+"""
+)
+WORKERS = {"engine": _WORKER, "lightning": _LIGHTNING_WORKER}
+"""What a worker times per call: the engine's call with backward and an SGD step, or a Lightning training step."""
 
 
 class _Worker:
     """One process running the proxy step with the package imported from ``tree``."""
 
-    def __init__(self, tree: Path, case: tuple[str, int, int], warmup: int) -> None:
+    def __init__(self, tree: Path, case: tuple[str, int, int], warmup: int, step: str = "engine") -> None:
         kind, depth, replicas = case
         self._process = subprocess.Popen(
-            [sys.executable, "-c", _WORKER, kind, str(depth), str(replicas), str(warmup)],
+            [sys.executable, "-c", WORKERS[step], kind, str(depth), str(replicas), str(warmup)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -116,12 +202,13 @@ def measure(
     warmup: int = 10,
     cases: Sequence[tuple[str, int, int]] = CASES,
     this: Path | None = None,
+    step: str = "engine",
 ) -> list[dict[str, Any]]:
-    """Per case: microseconds per call of this tree's engine and of ``other``'s, ``repeats`` times, alternating."""
+    """Per case: microseconds per ``step`` (a ``WORKERS`` key) of this tree and of ``other``, alternating."""
     this = this or Path(__file__).resolve().parents[1]
     results = []
     for case in cases:
-        workers = {"this": _Worker(this, case, warmup), "other": _Worker(other, case, warmup)}
+        workers = {"this": _Worker(this, case, warmup, step), "other": _Worker(other, case, warmup, step)}
         times: dict[str, list[float]] = {name: [] for name in workers}
         try:
             for repeat in range(repeats):
@@ -153,10 +240,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("other", type=Path, help="the root of the other tree (the folder holding lightning_mgpu/)")
     parser.add_argument("--loops", type=int, default=20, help="calls per timed loop (default 20)")
     parser.add_argument("--repeats", type=int, default=41, help="timed loops per tree and case (default 41)")
+    parser.add_argument(
+        "--step",
+        choices=sorted(WORKERS),
+        default="engine",
+        help="what is timed: the engine's call (default) or a Lightning training step under mgpu_dp",
+    )
     arguments = parser.parse_args(argv)
     if not (arguments.other / "lightning_mgpu" / "__init__.py").is_file():
         parser.error(f"{arguments.other} holds no lightning_mgpu/: pass the root of a checkout of the package")
-    for row in measure(arguments.other, arguments.loops, arguments.repeats):
+    for row in measure(arguments.other, arguments.loops, arguments.repeats, step=arguments.step):
         low, high = row["ratio_range"]
         print(
             f"{row['kind']:6s} depth {row['depth']:2d} x{row['replicas']}: this tree {row['this_us']:8.1f} us,"

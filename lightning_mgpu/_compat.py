@@ -45,9 +45,13 @@ jsonargparse:
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import inspect
 import re
 import sys
+import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -655,19 +659,85 @@ def log_checker(module: Any, log: Callable[..., None]) -> Callable[..., None]:
     private fields: the trainer's ``_results`` is a ``_LogArguments`` of its own, its ``_logger_connector`` resets
     nothing, and ``_metric_attributes`` is unset, so a replica's metrics are looked for among its own modules rather
     than in the ids the module cached. ``tests/test_compat.py`` checks that a call leaves the Trainer's results alone.
+
+    Lightning's checks of a tensor or a Python number depend only on the running hook, the arguments other than
+    the value, and the value's type, dtype and whether it holds one element; the checks take longer than the rest
+    of a small step. So a call like one that passed before, in the same result collection, is not checked again:
+    only its metadata is compared with what the name was logged with earlier in the step, or in the collection,
+    as ``_ResultCollection.log`` compares it.
     """
     trainer = module._trainer
+    arguments = None
+    passed: dict[Any, tuple[str, str, str, Any]] = {}
     if trainer is not None:
         results = trainer._results
         connector = _View(trainer._logger_connector, should_reset_tensors=lambda fx: False)
-        arguments = None if results is None else _LogArguments(results)
+        if results is not None:
+            arguments = _LogArguments(results)
+            with _PASSED_LOCK:
+                passed = _PASSED[id(results)] if id(results) in _PASSED else _passed_in(results)
         trainer = _View(trainer, _results=arguments, _logger_connector=connector)
     view = _View(module, _trainer=trainer, _metric_attributes=None)
+    names = _log_parameters(log)
 
     def check(*args: Any, **kwargs: Any) -> None:
+        key = None
+        if arguments is not None:
+            key = _log_call_key((module._current_fx_name, arguments.dataloader_idx), names, args, kwargs)
+        if key is not None:
+            earlier = passed.get(key)
+            if earlier is not None:
+                arguments.remember(*earlier)  # type: ignore[union-attr]
+                return
+            arguments.last = None  # type: ignore[union-attr]
         log(view, *args, **kwargs)
+        if key is not None and arguments.last is not None:  # type: ignore[union-attr]
+            passed[key] = arguments.last  # type: ignore[union-attr]
 
     return check
+
+
+_PASSED: dict[int, dict[Any, tuple[str, str, str, Any]]] = {}
+"""Per result collection, by ``id`` while it lives: the calls ``log_checker``'s checks passed, by ``_log_call_key``,
+with their metadata (a result collection is a dict, which a weak dictionary cannot key)."""
+_PASSED_LOCK = threading.Lock()
+
+
+def _passed_in(results: Any) -> dict[Any, tuple[str, str, str, Any]]:
+    passed = _PASSED[id(results)] = {}
+    weakref.finalize(results, _PASSED.pop, id(results), None)
+    return passed
+
+
+@functools.cache
+def _log_parameters(log: Callable[..., None]) -> tuple[str, ...]:
+    """The names of ``log``'s parameters after ``self``."""
+    return tuple(inspect.signature(log).parameters)[1:]
+
+
+def _log_call_key(place: Any, names: tuple[str, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """What Lightning's checks of a ``self.log`` call in ``place`` (the hook, the dataloader index) depend on.
+
+    ``None`` for a call that is always checked. The value counts by its type, dtype and whether it holds one
+    element, and ``batch_size`` by whether it is given (only ``training_step(self, dataloader_iter)`` requires it); a
+    metric, a dict, any other value and an argument that cannot be hashed leave the call to the checks.
+    """
+    options = dict(zip(names, args, strict=False))
+    options.update(kwargs)
+    value = options.pop("value", None)
+    if isinstance(value, torch.Tensor):
+        kind: tuple[Any, ...] = (type(value), value.dtype, value.numel() == 1)
+    elif type(value) in (float, int, bool):
+        kind = (type(value),)
+    else:
+        return None
+    options["batch_size"] = options.get("batch_size") is None
+    key = (place, kind, frozenset(options.items()))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 class _View:
@@ -695,6 +765,8 @@ class _LogArguments:
         self._classes = sys.modules[type(results).__module__]
         self.dataloader_idx = results.dataloader_idx
         self._metadata: dict[str, Any] = {}
+        self.last: tuple[str, str, str, Any] | None = None
+        """The last call's ``(key, name, fx, metadata)``, for ``remember``."""
 
     def log(
         self,
@@ -720,6 +792,11 @@ class _LogArguments:
         meta.sync = self._classes._Sync(
             _should=sync_dist, fn=sync_dist_fn, _group=sync_dist_group, rank_zero_only=rank_zero_only
         )
+        self.last = (key, name, fx, meta)
+        self.remember(key, name, fx, meta)
+
+    def remember(self, key: str, name: str, fx: str, meta: Any) -> None:
+        """Refuse ``meta`` if ``key`` was logged with other metadata, as ``_ResultCollection.log`` does; keep it."""
         earlier = self._metadata.get(key)
         if earlier is None and key in self._results:
             earlier = self._results[key].meta

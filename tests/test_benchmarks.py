@@ -244,3 +244,16 @@ def test_the_side_by_side_benchmark_times_two_trees_in_alternating_worker_proces
     with pytest.raises(SystemExit) as stopped:
         against.main([str(tmp_path)])
     assert stopped.value.code == 2
+
+
+@pytest.mark.slow
+def test_the_side_by_side_benchmark_times_lightning_training_steps_when_asked() -> None:
+    from benchmarks import against
+
+    root = Path(against.__file__).resolve().parents[1]
+    (row,) = against.measure(root, loops=2, repeats=2, warmup=1, cases=[("linear", 1, 2)], this=root, step="lightning")
+    assert (row["kind"], row["depth"], row["replicas"]) == ("linear", 1, 2)
+    assert row["this_us"] > 0
+    assert row["other_us"] > 0
+    low, high = row["ratio_range"]
+    assert 0 < low <= row["ratio"] <= high

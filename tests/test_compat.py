@@ -5,6 +5,7 @@ An upgrade that changes one of them fails here first, naming the function, befor
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -576,3 +577,52 @@ def test_log_checker_raises_what_self_log_raises_and_leaves_the_trainers_results
         assert isinstance(error, misconfiguration)
         assert str(error) == twice.format(name)
     assert seen == [([], None)], "nothing recorded into the Trainer's results, nothing cached on the module"
+
+
+def test_log_checker_checks_a_call_like_one_that_passed_only_for_its_arguments_against_the_steps_others() -> None:
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+    from models import Regressor, loader, regression_data, trainer
+
+    checked: list[str] = []
+    outcomes: dict[int, list[BaseException | None]] = {0: [], 1: []}
+
+    @functools.wraps(pl.LightningModule.log)  # its parameters, by which a call's arguments are read
+    def counting_log(module: pl.LightningModule, name: str, *args: object, **kwargs: object) -> None:
+        checked.append(name)
+        pl.LightningModule.log(module, name, *args, **kwargs)
+
+    class Checks(Regressor):
+        def training_step(self, batch: object, batch_idx: int) -> torch.Tensor:
+            check = _compat.log_checker(self, counting_log)
+            calls: list[tuple[tuple[object, ...], dict[str, object]]] = [
+                (("m", 1.0), {}),
+                (("s", torch.tensor(2.0)), {}),
+                (("s", torch.tensor(3.0)), {}),  # like the call before: not checked again
+            ]
+            if batch_idx == 1:
+                calls = [
+                    (("s", torch.tensor(4.0)), {}),  # like the calls of the step before
+                    (("m", 1.0), {"prog_bar": True}),  # new arguments: checked, and passes (nothing logged "m")
+                    (("m", 2.0), {}),  # like a call that passed, but "m" was logged with other arguments above
+                    (("s", torch.ones(2)), {}),  # two elements, where the calls that passed held one
+                ]
+            for args, kwargs in calls:
+                try:
+                    check(*args, **kwargs)
+                except Exception as error:  # noqa: BLE001 - the outcome compared
+                    outcomes[batch_idx].append(error)
+                else:
+                    outcomes[batch_idx].append(None)
+            return super().training_step(batch, batch_idx)
+
+    trainer(max_steps=2).fit(Checks(), loader(regression_data(rows=8), 4))
+    assert outcomes[0] == [None, None, None]
+    like_before, new_arguments, other_than_above, two_elements = outcomes[1]
+    assert (like_before, new_arguments) == (None, None)
+    assert isinstance(other_than_above, MisconfigurationException)
+    assert str(other_than_above) == (
+        "You called `self.log(m, ...)` twice in `training_step` with different arguments. This is not allowed"
+    )
+    assert isinstance(two_elements, ValueError)
+    assert "the tensor must have a single element" in str(two_elements)
+    assert checked == ["m", "s", "m", "s"], "each call checked by Lightning once per kind of call"

@@ -365,3 +365,14 @@ def test_forward_mode_derivatives_pass_through_a_replica_as_through_the_module()
         with forward_ad.dual_level():
             derivatives.append(forward_ad.unpack_dual(module(forward_ad.make_dual(x, tangent))).tangent)
     torch.testing.assert_close(derivatives[0], derivatives[1], rtol=0, atol=0)
+
+
+def test_an_attribute_moved_to_another_name_counts_as_assigned_though_every_value_is_where_it_was() -> None:
+    held = ("state", 0)
+    attributes: dict[str, object] = {"training": True, "current": held}
+    snapshot = replicate_module._Attributes([attributes])
+    assert snapshot.unchanged()
+    del attributes["current"]
+    attributes["previous"] = held  # the same object, in the same place among the values
+    assert not snapshot.unchanged()
+    assert list(snapshot.changed()) == [(0, {"current", "previous"})]

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import operator
 import types
 import warnings
@@ -485,26 +484,23 @@ class _Attributes:
 
     def __init__(self, states: list[dict[str, Any]]) -> None:
         self.states = states
-        self.lengths = list(map(len, states))
-        self.values = list(itertools.chain.from_iterable(map(dict.values, states)))
-        self.keys = list(itertools.chain.from_iterable(states))
+        self.before = list(map(dict.copy, states))
 
     def unchanged(self) -> bool:
         """Whether every module holds the same names with the very same values (identity, not equality)."""
-        return list(map(len, self.states)) == self.lengths and all(
-            map(operator.is_, itertools.chain.from_iterable(map(dict.values, self.states)), self.values)
-        )
+        return all(map(_same_attributes, self.states, self.before))
 
     def changed(self) -> Iterator[tuple[int, set[str]]]:
         """Each module's position and the names assigned, added or deleted in it since the call began."""
-        start = 0
-        for position, (state, length) in enumerate(zip(self.states, self.lengths, strict=True)):
-            before = dict(zip(self.keys[start : start + length], self.values[start : start + length], strict=True))
-            start += length
+        for position, (state, before) in enumerate(zip(self.states, self.before, strict=True)):
             names = {name for name, value in state.items() if before.get(name, _MISSING) is not value}
             names.update(before.keys() - state.keys())
             if names:
                 yield position, names
+
+
+def _same_attributes(now: dict[str, Any], before: dict[str, Any]) -> bool:
+    return now.keys() == before.keys() and all(map(operator.is_, now.values(), before.values()))
 
 
 def _check_stored_method(module: nn.Module, method: str) -> None:

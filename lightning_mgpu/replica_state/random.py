@@ -173,7 +173,7 @@ class DefaultGenerator:
 
     def settle(self, seed: StepSeed) -> None:
         """Warn once if the replicas drew from the default generator; advance it if they drew from their own."""
-        if not self._warned and seed.state.numpy().tobytes() != torch.random.get_rng_state().numpy().tobytes():
+        if not self._warned and not torch.equal(seed.state, torch.random.get_rng_state()):
             self._warned = True
             warnings.warn(
                 "Random numbers were drawn inside the replicas from torch's default generator, which every replica"
