@@ -39,7 +39,10 @@ def _data(seed: int = 0) -> DataLoader:
 
 
 def _metrics() -> dict[str, nn.Module]:
-    """One of each kind of state: sums, means, lists (in order), maxima, compute groups, a wrapper, retrieval."""
+    """One of each kind of state: sums, means, lists (in order), maxima, compute groups, wrappers, retrieval.
+
+    ``composed`` is a ``CompositionalMetric``, whose metrics hold the states it computes from.
+    """
     return {
         "accuracy": classification.MulticlassAccuracy(3, average="macro"),
         "auroc": classification.MulticlassAUROC(3),
@@ -56,6 +59,10 @@ def _metrics() -> dict[str, nn.Module]:
         "classwise": wrappers.ClasswiseWrapper(classification.MulticlassAccuracy(3, average=None)),
         "mrr": retrieval.RetrievalMRR(),
         "psnr": torchmetrics.image.PeakSignalNoiseRatio(data_range=1.0),
+        "composed": torchmetrics.SumMetric() + torchmetrics.MeanMetric(),  # a CompositionalMetric
+        "multitask": wrappers.MultitaskWrapper(
+            {"task_auroc": classification.MulticlassAUROC(3), "task_error": torchmetrics.MeanSquaredError()}
+        ),
     }
 
 
@@ -72,6 +79,11 @@ def _arguments(name: str, logits: torch.Tensor, batch: Any) -> tuple[Any, ...]:
         "classwise": (logits, y),
         "mrr": (logits[:, 0], relevant, query),
         "psnr": (probabilities[:, 0], relevant.to(logits.dtype)),
+        "composed": (logits[:, 0],),
+        "multitask": (
+            {"task_auroc": probabilities, "task_error": logits[:, 0]},
+            {"task_auroc": y, "task_error": logits[:, 1]},
+        ),
     }[name]
 
 
@@ -105,11 +117,16 @@ class MetricsInSteps(L.LightningModule):
     def _use(self, metrics: nn.ModuleDict, stage: str, logits: torch.Tensor, batch: Any) -> None:
         for name, metric in metrics.items():
             arguments = _arguments(name, logits, batch)
-            scalar = isinstance(metric, torchmetrics.Metric) and name not in ("cat", "classwise")
+            scalar = isinstance(metric, torchmetrics.Metric) and name not in ("cat", "classwise", "multitask")
             if self.how == "update":
-                metric.update(*arguments)
+                # A composition's update updates nothing: its metrics hold the states.
+                parts = (metric.metric_a, metric.metric_b) if name == "composed" else (metric,)
+                for part in parts:
+                    part.update(*arguments)
                 if scalar:
                     self.log(f"{stage}_{name}", metric, on_step=False, on_epoch=True)
+                elif name == "multitask":  # its metrics by task, as torchmetrics' docs log them
+                    self.log_dict(metric, on_step=False, on_epoch=True)
             elif self.how == "call":
                 value = metric(*arguments)
                 if isinstance(value, dict):
@@ -120,6 +137,8 @@ class MetricsInSteps(L.LightningModule):
                 metric(*arguments)
                 if scalar:
                     self.log(f"{stage}_{name}", metric, on_step=True, on_epoch=True)
+                elif name == "multitask":
+                    self.log_dict(metric, on_step=True, on_epoch=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.5)

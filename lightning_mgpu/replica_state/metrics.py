@@ -143,12 +143,14 @@ class _Copy:
         self._open = None
         self.internal = True
         try:
+            # Every list first: a wrapper's reset resets the metrics it holds (MultitaskWrapper), which may come later.
             for position in self.unit.metrics:
                 node = self.nodes[position]
                 for name, value in node.metric_state.items():
                     if isinstance(value, list):
                         setattr(node, name, [])
-                node.reset()
+            for position in self.unit.metrics:
+                self.nodes[position].reset()
         finally:
             self.internal = False
         # A wrapper's reset may leave its own count alone (ClasswiseWrapper resets only its metric): count from here.
@@ -331,7 +333,12 @@ class _Unit:
             position = next(position for position, node in enumerate(copied.nodes) if node is value)
             original = self.nodes[position]
             if isinstance(original, Metric):
-                last = [index for index, call in enumerate(copied.calls) if position in call.states]
+                # A composition (``SumMetric() + SumMetric()``) computes from its metrics' states, none of its own.
+                last = [
+                    index
+                    for index, call in enumerate(copied.calls)
+                    if position in call.states or call.owner == position
+                ]
                 if last:
                     set_forward_value(original, self._value_of(position, last[-1]))
                 return original, None
