@@ -85,28 +85,9 @@ for line in sys.stdin:
 """
 )
 
-_LIGHTNING_WORKER = (
-    _PROXY
-    + r"""
-import lightning.pytorch as L
-import lightning_mgpu  # registers mgpu_dp
-
+LIGHTNING_CLOCK = r"""
 answers = os.fdopen(os.dup(sys.stdout.fileno()), "w")
 sys.stdout = sys.stderr  # Lightning's messages stay out of the answers
-
-
-class Proxy(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = proxy_net()
-
-    def training_step(self, batch, batch_idx):
-        loss = self.net(batch[0]).square().mean()
-        self.log("loss", loss)
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=1e-3)
 
 
 class Clock(L.Callback):
@@ -132,6 +113,36 @@ class Clock(L.Callback):
             self.loops = self.left = int(line)
             self.start = time.perf_counter()
         self.left -= 1
+"""
+"""A worker's ``Clock`` callback, which times a Lightning ``fit`` in runs of consecutive batches as ``Worker`` asks.
+
+It needs ``gc``, ``os``, ``sys``, ``time``, ``lightning.pytorch as L``, ``lightning_mgpu`` and ``warmup`` (the batches
+before the first timed run) in the script.
+"""
+
+_LIGHTNING_WORKER = (
+    _PROXY
+    + r"""
+import lightning.pytorch as L
+import lightning_mgpu  # registers mgpu_dp
+"""
+    + LIGHTNING_CLOCK
+    + r"""
+
+
+class Proxy(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = proxy_net()
+
+    def training_step(self, batch, batch_idx):
+        loss = self.net(batch[0]).square().mean()
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
 
 
 rows = torch.randn(8, 4, generator=torch.Generator().manual_seed(depth)).repeat(100_000, 1)
@@ -154,13 +165,16 @@ WORKERS = {"engine": _WORKER, "lightning": _LIGHTNING_WORKER}
 """What a worker times per call: the engine's call with backward and an SGD step, or a Lightning training step."""
 
 
-class _Worker:
-    """One process running the proxy step with the package imported from ``tree``."""
+class Worker:
+    """One process running ``script`` with ``arguments``, the package imported from ``tree``.
 
-    def __init__(self, tree: Path, case: tuple[str, int, int], warmup: int, step: str = "engine") -> None:
-        kind, depth, replicas = case
+    The script prints ``ready <lightning_mgpu.__file__>``, then answers each line ``N`` it reads with the
+    microseconds per call of its next ``N`` calls.
+    """
+
+    def __init__(self, tree: Path, script: str, arguments: Sequence[object]) -> None:
         self._process = subprocess.Popen(
-            [sys.executable, "-c", WORKERS[step], kind, str(depth), str(replicas), str(warmup)],
+            [sys.executable, "-c", script, *map(str, arguments)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -195,6 +209,23 @@ class _Worker:
         self._process.wait(timeout=60)
 
 
+def take_turns(workers: dict[str, Worker], loops: int, repeats: int) -> dict[str, list[float]]:
+    """Microseconds per call of each worker, ``repeats`` loops of ``loops`` calls each, the order alternating.
+
+    Every worker is closed afterwards, also when one fails.
+    """
+    times: dict[str, list[float]] = {name: [] for name in workers}
+    try:
+        for repeat in range(repeats):
+            order = list(workers) if repeat % 2 == 0 else list(reversed(workers))
+            for name in order:
+                times[name].append(workers[name].loop_us(loops))
+    finally:
+        for worker in workers.values():
+            worker.close()
+    return times
+
+
 def measure(
     other: Path,
     loops: int = 20,
@@ -208,16 +239,9 @@ def measure(
     this = this or Path(__file__).resolve().parents[1]
     results = []
     for case in cases:
-        workers = {"this": _Worker(this, case, warmup, step), "other": _Worker(other, case, warmup, step)}
-        times: dict[str, list[float]] = {name: [] for name in workers}
-        try:
-            for repeat in range(repeats):
-                order = list(workers) if repeat % 2 == 0 else list(reversed(workers))
-                for name in order:
-                    times[name].append(workers[name].loop_us(loops))
-        finally:
-            for worker in workers.values():
-                worker.close()
+        arguments = (*case, warmup)
+        workers = {name: Worker(tree, WORKERS[step], arguments) for name, tree in (("this", this), ("other", other))}
+        times = take_turns(workers, loops, repeats)
         kind, depth, replicas = case
         ratios = [a / b for a, b in zip(times["this"], times["other"], strict=True)]
         results.append(

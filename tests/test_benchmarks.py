@@ -257,3 +257,21 @@ def test_the_side_by_side_benchmark_times_lightning_training_steps_when_asked() 
     assert row["other_us"] > 0
     low, high = row["ratio_range"]
     assert 0 < low <= row["ratio"] <= high
+
+
+@pytest.mark.slow
+def test_the_metrics_benchmark_measures_what_a_collection_adds_on_one_device_and_on_replicas() -> None:
+    from benchmarks import metrics
+
+    rows = metrics.measure(loops=2, repeats=2, warmup=1, cases=[("auto", 1), ("mgpu_dp", 2)], uses=["update"])
+    assert [(row["use"], row["strategy"], row["devices"]) for row in rows] == [
+        ("update", "auto", 1),
+        ("update", "mgpu_dp", 2),
+    ]
+    for row in rows:
+        assert row["with_us"] > 0
+        assert row["without_us"] > 0
+        low, high = row["added_range"]
+        assert low <= row["added_us"] <= high
+    assert rows[0]["over_one_device"] == pytest.approx(1.0)
+    assert rows[1]["over_one_device"] == pytest.approx(rows[1]["added_us"] / rows[0]["added_us"])
