@@ -678,7 +678,7 @@ def log_checker(module: Any, log: Callable[..., None]) -> Callable[..., None]:
                 passed = _PASSED[id(results)] if id(results) in _PASSED else _passed_in(results)
         trainer = _View(trainer, _results=arguments, _logger_connector=connector)
     view = _View(module, _trainer=trainer, _metric_attributes=None)
-    names = _log_parameters(log)
+    names = log_parameters(log)
 
     def check(*args: Any, **kwargs: Any) -> None:
         key = None
@@ -710,8 +710,8 @@ def _passed_in(results: Any) -> dict[Any, tuple[str, str, str, Any]]:
 
 
 @functools.cache
-def _log_parameters(log: Callable[..., None]) -> tuple[str, ...]:
-    """The names of ``log``'s parameters after ``self``."""
+def log_parameters(log: Callable[..., None]) -> tuple[str, ...]:
+    """The names of ``log``'s (``LightningModule.log``'s) parameters after ``self``, which name its arguments."""
     return tuple(inspect.signature(log).parameters)[1:]
 
 

@@ -15,8 +15,6 @@ makes it mean across steps and processes.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -26,7 +24,7 @@ import torch
 from torch import nn
 from torchmetrics import Metric
 
-from lightning_mgpu._compat import log_checker
+from lightning_mgpu._compat import log_checker, log_parameters
 from lightning_mgpu.engine.reduce import reduce_op_name, weighted_mean
 from lightning_mgpu.errors import ReplicaStateError
 from lightning_mgpu.namespaces import LIGHTNING, Namespace
@@ -59,15 +57,9 @@ class ReplicaLog:
         """Record ``self.log(*args, **kwargs)`` once Lightning's checks pass, which raise as on one device."""
         if self._check is not None:
             self._check(*args, **kwargs)
-        options = dict(zip(_parameters(self.namespace.LightningModule.log), args, strict=False)) | kwargs
+        options = dict(zip(log_parameters(self.namespace.LightningModule.log), args, strict=False)) | kwargs
         name, value = options.pop("name"), options.pop("value")
         self.records.append((name, value, options))
-
-
-@functools.cache
-def _parameters(log: Callable[..., None]) -> tuple[str, ...]:
-    """The names of ``log``'s parameters after ``self``, by which positional arguments are recorded."""
-    return tuple(inspect.signature(log).parameters)[1:]
 
 
 # What ``LightningModule.log`` accepts as ``reduce_fx``, besides these names in any letter case: the functions
