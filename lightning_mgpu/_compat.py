@@ -661,14 +661,15 @@ def log_checker(module: Any, log: Callable[..., None]) -> Callable[..., None]:
     than in the ids the module cached. ``tests/test_compat.py`` checks that a call leaves the Trainer's results alone.
 
     Lightning's checks of a tensor or a Python number depend only on the running hook, the arguments other than
-    the value, and the value's type, dtype and whether it holds one element; the checks take longer than the rest
-    of a small step. So a call like one that passed before, in the same result collection, is not checked again:
-    only its metadata is compared with what the name was logged with earlier in the step, or in the collection,
-    as ``_ResultCollection.log`` compares it.
+    the value, and the value's type, dtype and whether it holds one element; of a torchmetrics metric, on which
+    metric it is (its attribute name in the module). The checks take longer than the rest of a small step. So a
+    call like one that passed before, in the same result collection, is not checked again: only its metadata is
+    compared with what the name was logged with earlier in the step, or in the collection, as
+    ``_ResultCollection.log`` compares it.
     """
     trainer = module._trainer
     arguments = None
-    passed: dict[Any, tuple[str, str, str, Any]] = {}
+    passed: dict[Any, _Passed] = {}
     if trainer is not None:
         results = trainer._results
         connector = _View(trainer._logger_connector, should_reset_tensors=lambda fx: False)
@@ -686,24 +687,39 @@ def log_checker(module: Any, log: Callable[..., None]) -> Callable[..., None]:
             key = _log_call_key((module._current_fx_name, arguments.dataloader_idx), names, args, kwargs)
         if key is not None:
             earlier = passed.get(key)
-            if earlier is not None:
-                arguments.remember(*earlier)  # type: ignore[union-attr]
+            if earlier is not None and (earlier[1] is None or earlier[1]() is not None):
+                arguments.remember(*earlier[0])  # type: ignore[union-attr]
                 return
             arguments.last = None  # type: ignore[union-attr]
         log(view, *args, **kwargs)
         if key is not None and arguments.last is not None:  # type: ignore[union-attr]
-            passed[key] = arguments.last  # type: ignore[union-attr]
+            # A metric is known by its id, kept only while the metric lives: a later object may get the same id.
+            passed[key] = (arguments.last, _metric_logged(names, args, kwargs))  # type: ignore[union-attr]
 
     return check
 
 
-_PASSED: dict[int, dict[Any, tuple[str, str, str, Any]]] = {}
-"""Per result collection, by ``id`` while it lives: the calls ``log_checker``'s checks passed, by ``_log_call_key``,
-with their metadata (a result collection is a dict, which a weak dictionary cannot key)."""
+_Passed = tuple[tuple[str, str, str, Any], "weakref.ref[Any] | None"]
+"""A call ``log_checker``'s checks passed: its ``(key, name, fx, metadata)``, and the metric it logged, if one."""
+_PASSED: dict[int, dict[Any, _Passed]] = {}
+"""Per result collection, by ``id`` while it lives: the calls ``log_checker``'s checks passed, by ``_log_call_key``
+(a result collection is a dict, which a weak dictionary cannot key)."""
 _PASSED_LOCK = threading.Lock()
 
 
-def _passed_in(results: Any) -> dict[Any, tuple[str, str, str, Any]]:
+def _metric_logged(names: tuple[str, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> weakref.ref[Any] | None:
+    """A weak reference to the torchmetrics metric a ``self.log`` call logged, or ``None`` for any other value."""
+    value = kwargs["value"] if "value" in kwargs else dict(zip(names, args, strict=False)).get("value")
+    return weakref.ref(value) if _is_metric(value) else None
+
+
+def _is_metric(value: Any) -> bool:
+    from torchmetrics import Metric  # Lightning's dependency, imported once a metric could be logged
+
+    return isinstance(value, Metric)
+
+
+def _passed_in(results: Any) -> dict[Any, _Passed]:
     passed = _PASSED[id(results)] = {}
     weakref.finalize(results, _PASSED.pop, id(results), None)
     return passed
@@ -719,8 +735,9 @@ def _log_call_key(place: Any, names: tuple[str, ...], args: tuple[Any, ...], kwa
     """What Lightning's checks of a ``self.log`` call in ``place`` (the hook, the dataloader index) depend on.
 
     ``None`` for a call that is always checked. The value counts by its type, dtype and whether it holds one
-    element, and ``batch_size`` by whether it is given (only ``training_step(self, dataloader_iter)`` requires it); a
-    metric, a dict, any other value and an argument that cannot be hashed leave the call to the checks.
+    element, a torchmetrics metric by its ``id``, and ``batch_size`` by whether it is given (only
+    ``training_step(self, dataloader_iter)`` requires it); a dict, any other value and an argument that cannot be
+    hashed leave the call to the checks.
     """
     options = dict(zip(names, args, strict=False))
     options.update(kwargs)
@@ -729,6 +746,8 @@ def _log_call_key(place: Any, names: tuple[str, ...], args: tuple[Any, ...], kwa
         kind: tuple[Any, ...] = (type(value), value.dtype, value.numel() == 1)
     elif type(value) in (float, int, bool):
         kind = (type(value),)
+    elif _is_metric(value):
+        kind = ("metric", id(value))
     else:
         return None
     options["batch_size"] = options.get("batch_size") is None

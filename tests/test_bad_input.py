@@ -135,8 +135,8 @@ COVERED_ELSEWHERE = {
     "a replica that raises": (
         "tests/test_torch_data_parallel.py::test_a_replicas_exception_reaches_the_caller_with_its_replica"
     ),
-    "a torchmetrics metric that cannot be merged, updated in a replica": (
-        "tests/test_replica_state.py::test_a_metric_that_cannot_be_merged_stops_the_first_step_before_any_parameter_changes"
+    "a value of a replica's rows given to a torchmetrics metric that cannot be merged": (
+        "tests/test_replica_state.py::test_a_value_of_the_replicas_rows_given_to_a_metric_that_cannot_be_merged_stops_the_first_step"
     ),
     "compute() or reset() of a metric in a replica": (
         "tests/test_replica_state.py::test_compute_or_reset_inside_a_replica_is_refused_with_the_fix"

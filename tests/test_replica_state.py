@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import lightning as L
 import pytest
@@ -243,7 +244,7 @@ def test_a_metric_called_in_a_replica_returns_its_chunks_value() -> None:
     torch.testing.assert_close(model.accuracy.compute().double(), (logits.argmax(-1) == y).double().mean())
 
 
-# --------------------------------------------------------------------------------------------- refused metrics
+# --------------------------------------------------------------------------------------------- any metric, any flag
 
 
 class _Counted(torchmetrics.Metric):
@@ -269,61 +270,162 @@ class _MergesNothing(_Declared):
         raise NotImplementedError("this metric keeps a running state that does not add up")
 
 
+def _pairs(logits: torch.Tensor, batch: Any) -> tuple[Any, ...]:
+    return logits[:, 0], logits[:, 1]
+
+
+def _words(logits: torch.Tensor, batch: Any) -> tuple[Any, ...]:
+    """Per-row sentences, as text metrics take them: a list of strings, and a list of lists of references."""
+    words = ["cat", "dog", "bird"]
+    predicted = [f"the {words[int(index)]} sat on the mat" for index in logits.argmax(-1)]
+    references = [[f"the {words[int(label)]} sat on the mat"] for label in batch[1]]
+    return predicted, references
+
+
+# Metrics torchmetrics' merge_state refuses: full_state_update=True (or undeclared), dist_sync_on_step=True, a merge
+# of their own that raises. Given one value per row, the module's metric takes the whole batch once, as on one device.
+_UNMERGEABLE: dict[str, tuple[Callable[[], torchmetrics.Metric], Callable[..., tuple[Any, ...]]]] = {
+    "pearson": (torchmetrics.regression.PearsonCorrCoef, _pairs),
+    "spearman": (torchmetrics.regression.SpearmanCorrCoef, _pairs),
+    "max": (torchmetrics.MaxMetric, lambda logits, batch: (logits[:, 0],)),
+    "min": (torchmetrics.MinMetric, lambda logits, batch: (logits[:, 0],)),
+    "minmax": (lambda: wrappers.MinMaxMetric(torchmetrics.MeanSquaredError()), _pairs),
+    "undeclared": (_Counted, _pairs),
+    "dist_sync_on_step": (lambda: _Declared(dist_sync_on_step=True), _pairs),
+    "own-merge-refuses": (_MergesNothing, _pairs),
+    "bootstrapper": (lambda: wrappers.BootStrapper(torchmetrics.MeanSquaredError(), num_bootstraps=3), _pairs),
+    "running": (lambda: wrappers.Running(torchmetrics.MeanSquaredError(), window=2), _pairs),
+    "bleu": (torchmetrics.text.BLEUScore, _words),
+}
+
+
 class _UpdatesInStep(L.LightningModule):
-    def __init__(self, metric: torchmetrics.Metric, where: str = "step") -> None:
+    """Updates, or calls and logs, a metric in ``training_step``."""
+
+    def __init__(
+        self, metric: torchmetrics.Metric, arguments: Callable[..., tuple[Any, ...]] = _pairs, how: str = "update"
+    ) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.layer = nn.Linear(4, 3).double()
         self.metric = metric
-        self.where = where
+        self.arguments = arguments
+        self.how = how
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         logits = self.layer(batch[0])
-        if self.where == "step":
-            self.metric.update(logits[:, 0], logits[:, 1])
-            return F.cross_entropy(logits, batch[1])
-        return {"logits": logits, "y": batch[1]}
-
-    def training_step_end(self, outputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        self.metric.update(outputs["logits"][:, 0], outputs["logits"][:, 1])
-        return F.cross_entropy(outputs["logits"], outputs["y"])
+        arguments = self.arguments(logits.detach(), batch)
+        if self.how == "update":
+            self.metric.update(*arguments)
+        else:
+            value = self.metric(*arguments)
+            if isinstance(value, torch.Tensor) and value.dim() == 0:
+                self.log("value", value, on_step=True)
+        return F.cross_entropy(logits, batch[1])
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
+class _UpdatesInStepEnd(_UpdatesInStep):
+    """Updates the metric in ``training_step_end``, on the outputs gathered from every replica."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        return {"logits": self.layer(batch[0]), "y": batch[1]}
+
+    def training_step_end(self, outputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        self.metric.update(outputs["logits"][:, 0], outputs["logits"][:, 1])
+        return F.cross_entropy(outputs["logits"], outputs["y"])
+
+
+@pytest.mark.parametrize("how", ["update", "call"])
+@pytest.mark.parametrize("name", list(_UNMERGEABLE))
+def test_metrics_torchmetrics_cannot_merge_given_rows_in_the_step_end_as_on_one_device(name: str, how: str) -> None:
+    make, arguments = _UNMERGEABLE[name]
+    reference = _UpdatesInStep(make().double(), arguments=arguments, how=how)
+    # A BootStrapper called in a replica resamples that replica's rows from the replica's own generator, so the
+    # run's later draws are not one device's: such a run repeats exactly, and is compared with its first run.
+    repeats = name == "bootstrapper" and how == "call"
+    expected = _run(reference, devices=3, strategy="mgpu_dp") if repeats else _run(reference)
+    for devices in (3,) if repeats else (2, 3, 3):
+        split = _UpdatesInStep(make().double(), arguments=arguments, how=how)
+        logged = _run(split, devices=devices, strategy="mgpu_dp")
+        for index, (values, wanted) in enumerate(zip(logged, expected, strict=True)):
+            _assert_close(values, wanted, f"{devices} devices: logged values at record {index}")
+        _assert_close(_states(split.metric), _states(reference.metric), f"{devices} devices: states")
+        _assert_close(split.metric.compute(), reference.metric.compute(), f"{devices} devices: compute()")
+        assert_same_parameters(parameters(reference.layer), parameters(split.layer))
+
+
+def _sums(logits: torch.Tensor, batch: Any) -> tuple[Any, ...]:
+    return logits[:, 0].sum(), logits[:, 1].sum()
+
+
 @pytest.mark.parametrize(
     ("metric", "reason"),
     [
-        (torchmetrics.regression.PearsonCorrCoef(), "full_state_update=True"),
+        (torchmetrics.MaxMetric(), "full_state_update=True"),
         (_Counted(), "full_state_update=True"),
         (_Declared(dist_sync_on_step=True), "dist_sync_on_step=True"),
         (_MergesNothing(), "does not add up"),
-        (wrappers.BootStrapper(torchmetrics.MeanSquaredError(), num_bootstraps=3), "full_state_update=True"),
-        (wrappers.Running(torchmetrics.MeanSquaredError(), window=2), "full_state_update=True"),
+        (wrappers.Running(torchmetrics.SumMetric(), window=2), "full_state_update=True"),
     ],
-    ids=["pearson", "undeclared", "dist_sync_on_step", "own-merge-refuses", "bootstrapper", "running"],
+    ids=["max", "undeclared", "dist_sync_on_step", "own-merge-refuses", "running"],
 )
-def test_a_metric_that_cannot_be_merged_stops_the_first_step_before_any_parameter_changes(
+def test_a_value_of_the_replicas_rows_given_to_a_metric_that_cannot_be_merged_stops_the_first_step(
     metric: torchmetrics.Metric, reason: str
 ) -> None:
-    metric = metric.double()
-    model = _UpdatesInStep(metric)
+    model = _UpdatesInStep(metric.double(), arguments=_sums)
     before = parameters(model.layer)
     with pytest.raises(ReplicaStateError) as caught:
         trainer(devices=2, strategy="mgpu_dp", max_steps=3).fit(model, _data())
-    assert caught.value.path == "self.metric"
+    assert caught.value.path.startswith("self.metric")
     assert caught.value.step == "training_step"
-    assert reason in str(caught.value)
-    assert "*_step_end" in str(caught.value)
+    message = str(caught.value)
+    assert "argument 1 of self.metric.update, a 0-dim tensor" in message
+    assert reason in message
+    assert "one value per row" in message
+    assert "*_step_end" in message
     assert_same_parameters(before, parameters(model.layer), atol=0)
 
 
+def test_a_value_of_the_replicas_rows_given_to_a_sum_is_added_as_ddp_ranks_are() -> None:
+    one_device = _UpdatesInStep(_Declared(), arguments=_sums)
+    _run(one_device)
+    split = _UpdatesInStep(_Declared(), arguments=_sums)
+    _run(split, devices=3, strategy="mgpu_dp")
+    _assert_close(_states(split.metric), _states(one_device.metric), "states")
+
+
+class _MockedUpdate(_UpdatesInStep):
+    def __init__(self) -> None:
+        super().__init__(classification.MulticlassAccuracy(3))
+        self.seen: list[int] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        logits = self.layer(batch[0])
+        self.metric.update(logits, batch[1])
+        return F.cross_entropy(logits, batch[1])
+
+
+@pytest.mark.parametrize("devices", [1, 2, 3])
+def test_a_mock_on_a_metrics_update_sees_one_device_s_calls(devices: int) -> None:
+    model = _MockedUpdate()
+    with mock.patch.object(model.metric, "update", wraps=model.metric.update) as update:
+        trainer(max_epochs=1, devices=devices, strategy="mgpu_dp").fit(model, _data())
+    assert update.call_count == 5  # one per step, with the whole batch
+    assert [call.args[0].shape[0] for call in update.call_args_list] == [5, 5, 5, 5, 3]
+    one_device = _MockedUpdate()
+    trainer(max_epochs=1).fit(one_device, _data())
+    torch.testing.assert_close(model.metric.compute(), one_device.metric.compute())
+    assert model.metric.update_count == one_device.metric.update_count == 5
+
+
 def test_the_same_metric_updated_in_training_step_end_is_left_to_the_module() -> None:
-    one_device = _UpdatesInStep(torchmetrics.regression.PearsonCorrCoef().double(), where="step_end")
+    one_device = _UpdatesInStepEnd(torchmetrics.regression.PearsonCorrCoef().double())
     one = trainer(devices=1, strategy="mgpu_dp", max_epochs=2)
     one.fit(one_device, _data())
-    split = _UpdatesInStep(torchmetrics.regression.PearsonCorrCoef().double(), where="step_end")
+    split = _UpdatesInStepEnd(torchmetrics.regression.PearsonCorrCoef().double())
     trainer(devices=2, strategy="mgpu_dp", max_epochs=2).fit(split, _data())
     torch.testing.assert_close(split.metric.compute(), one_device.metric.compute())
 

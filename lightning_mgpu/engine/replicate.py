@@ -193,7 +193,7 @@ class ReplicaCache:
             structure.settle_assignments(self._attributes, sizes, device, step)
         self._aliases, self._attributes = [], []
         if structure is not None and structure.metrics is not None:
-            structure.metrics.settle(len(structure.devices))
+            structure.metrics.settle(sizes)
         if self._isolated:
             combine(self._isolated, sizes, device, step)
         store_buffers(buffers)
@@ -546,15 +546,18 @@ def replicate(module: nn.Module, devices: Sequence[torch.device]) -> list[nn.Mod
 
 
 def modules_of(module: nn.Module) -> list[nn.Module]:
-    """``list(module.modules())``, in the same order and without repeats, at about half its cost."""
+    """``list(module.modules())``, in the same order and without repeats, at about half its cost.
+
+    Modules are told apart by ``id``: a torchmetrics metric's hash is computed from its states, each time.
+    """
     found: list[nn.Module] = []
-    seen: set[nn.Module] = set()
+    seen: set[int] = set()
     stack = [module]
     while stack:
         current = stack.pop()
-        if current in seen:
+        if id(current) in seen:
             continue
-        seen.add(current)
+        seen.add(id(current))
         found.append(current)
         children = current._modules
         if children:

@@ -1,27 +1,28 @@
-"""torchmetrics inside replicas: each replica updates a copy of its own, merged into the module's metric afterwards.
+"""torchmetrics inside replicas: each replica's calls are recorded, and the module's metric takes them once, whole.
 
 A ``Metric`` binds ``update`` and ``compute`` to the object it was built as, so a replica made the way torch makes
 one would update the module's own metric from every replica thread at once: updates lost, list states in thread order.
 Here every metric and ``MetricCollection`` of the module (a *unit*: the outermost one, with whatever it holds) gets one
-deep copy per replica, made once per module structure. Before each call the copies go back to their default state;
-each replica updates or calls its own; after the call, in batch order, each copy's state goes into the module's
-metric through torchmetrics' own ``merge_state``, which is how torchmetrics combines the states of DDP ranks. The
-module's metric then holds what one device's updates on the whole batch give, and counts one update per call, as
-one device does.
+deep copy per replica, made once per module structure, which the replica's code reaches. A copy's ``update`` records
+its arguments and updates nothing; calling a copy computes that replica's rows' value (as a DDP rank's call returns
+its shard's) and records the arguments too. After the step, the arguments of every replica's matching call are joined
+in batch order (tensors and lists with one entry per row of the replica's chunk concatenated, values every replica
+passed alike kept) and the module's own metric is updated, or called, once with them: what one device does, for any
+metric whatever its flags, at one update's cost. The value of a call, logged, is that whole call's value.
 
-What a metric returns when called inside a replica is that replica's rows' value, as a DDP rank's call returns its
-shard's. For logging, ``resolve`` gives the value one device's call returns: each replica's state at its call is kept,
-and the states of every replica's matching call are merged into a scratch copy, which computes it. A metric that
-``merge_state`` refuses (``full_state_update=True``, ``dist_sync_on_step=True``, a merge of its own that raises) and
-``compute()`` or ``reset()`` called on a replica's copy from the step's code raise ``ReplicaStateError`` naming the
-metric and the fix: use it after the step, in the ``*_step_end`` hook, where it is the module's own.
+A call with an argument that is not one entry per row (a 0-dim value, a count of the replica's rows) is one replica's
+contribution, as a DDP rank's is: each copy takes its replica's calls and the copies' states go into the module's
+metric through torchmetrics' own ``merge_state``, the way torchmetrics combines ranks. A metric that ``merge_state``
+refuses (``full_state_update=True``, ``dist_sync_on_step=True``, a merge of its own that raises), given such an
+argument, and ``compute()`` or ``reset()`` called on a replica's copy from the step's code raise ``ReplicaStateError``
+naming the metric and the fix.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -35,11 +36,12 @@ from lightning_mgpu._compat import (
     set_update_count,
     version_counter,
 )
+from lightning_mgpu.engine.scatter import is_namedtuple
 from lightning_mgpu.errors import ReplicaStateError
 
 _UNITS = (Metric, MetricCollection)
 _MERGE_FIX = (
-    "Update and call it in the matching *_step_end hook instead, on the outputs gathered from every replica, where"
+    "update and call it in the matching *_step_end hook instead, on the outputs gathered from every replica, where"
     " it is the module's own metric"
 )
 
@@ -89,10 +91,15 @@ class MetricReplicas:
             for replica in unit.copies:
                 replica.method = method or "forward"
 
-    def settle(self, replicas: int) -> None:
-        """Merge what the first ``replicas`` copies gathered in the call into the module's metrics, in batch order."""
+    def settle(self, sizes: Sequence[int] | None) -> None:
+        """Give the module's metrics the calls the replicas' copies recorded, as one device's calls on the whole batch.
+
+        Args:
+            sizes: the rows each replica received, in batch order; ``None`` for a call without inputs, which ran
+                on one replica.
+        """
         for unit in self.units:
-            unit.settle(replicas)
+            unit.settle(list(sizes) if sizes is not None else [0])
 
     def resolve(self, value: Any, replica: int) -> tuple[Metric | None, Any] | None:
         """What ``value``, logged by ``replica`` in the last call, stands for on one device, if it is a metric's.
@@ -109,7 +116,7 @@ class MetricReplicas:
 
 
 class _Copy:
-    """One replica's copy of a unit, and what it recorded in the current call."""
+    """One replica's copy of a unit, and the calls of its metrics it recorded in the current step."""
 
     def __init__(self, unit: _Unit, device: torch.device, index: int) -> None:
         root = _deep_copy(unit.root)
@@ -122,25 +129,31 @@ class _Copy:
             raise RuntimeError(f"the copy of {unit.name} has another structure than the metric itself")
         self.method = "forward"
         self.internal = False
+        self.dirty = True  # a deep copy holds the metric's states: the first start resets them
         self.calls: list[_Call] = []
         self._open: _Call | None = None
         self._counts: dict[int, int] = {}
         self._marks: dict[int, list[tuple[int, int]]] = {}
+        self.positions = {id(node): position for position, node in enumerate(self.nodes)}
         for position, node in enumerate(self.nodes):
             if isinstance(node, _UNITS):
                 node.__dict__["compute"] = _Guard(self, position, "compute", node.compute)
                 node.__dict__["reset"] = _Guard(self, position, "reset", node.reset)
-                node.register_forward_pre_hook(self._open_call)
+                node.__dict__["update"] = _Recorded(self, position, node.update)
+                node.register_forward_pre_hook(self._open_call, with_kwargs=True)
                 node.register_forward_hook(self._close_call)
 
     def start(self, method: str) -> None:
         """Back to the default state, for a call of ``method``; a list state gets a new list, never cleared in place.
 
-        A merged metric may hold the very list a copy gathered; clearing the copy's own would empty it there too.
+        A merged metric may hold the very list a copy gathered; clearing the copy's own would empty it there too. A
+        copy whose metrics ran nothing since the last start is left as it is.
         """
         self.method = method
         self.calls = []
         self._open = None
+        if not self.dirty:
+            return
         self.internal = True
         try:
             # Every list first: a wrapper's reset resets the metrics it holds (MultitaskWrapper), which may come later.
@@ -153,21 +166,40 @@ class _Copy:
                 self.nodes[position].reset()
         finally:
             self.internal = False
+        self.dirty = False
         # A wrapper's reset may leave its own count alone (ClasswiseWrapper resets only its metric): count from here.
         self._counts = {position: self.nodes[position].update_count for position in self.unit.metrics}
         self._marks = {position: _marks(self.nodes[position]) for position in self.unit.stateful}
 
     @property
     def calling(self) -> bool:
-        """Whether one of the copy's metrics is being called (its forward runs)."""
-        return self._open is not None
+        """Whether one of the copy's metrics is being called (its forward runs), or the package runs it."""
+        return self._open is not None or self.internal
+
+    def record(self, position: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Keep an ``update`` of metric ``position`` the step's code made, for the module's metric after the step."""
+        self.calls.append(_Call(position, "update", args, kwargs))
+
+    def take_calls(self) -> None:
+        """Run every recorded call on this copy, in order, from its default state: its replica's part of the step."""
+        calls = self.calls
+        self.dirty = True
+        self.start(self.method)
+        self.calls = calls
+        self.internal = True
+        self.dirty = True
+        try:
+            for call in calls:
+                self.nodes[call.owner].update(*call.args, **call.kwargs)  # a call's effect on the states is an update
+        finally:
+            self.internal = False
 
     def updated(self, position: int) -> int:
-        """How many updates metric ``position`` of this copy counted since ``start``."""
+        """How many updates metric ``position`` of this copy counted since it was last reset."""
         return int(self.nodes[position].update_count) - self._counts[position]
 
     def changed(self, position: int) -> bool:
-        """Whether metric ``position`` of this copy counted an update or changed a state since ``start``.
+        """Whether metric ``position`` of this copy counted an update or changed a state since it was last reset.
 
         A wrapper may change its states without counting (``Running`` keeps its window so), or count nothing while
         its metrics do; either way it took part in the call.
@@ -184,9 +216,11 @@ class _Copy:
             node = self.nodes[position]
             call.states[position] = {name: _kept(value) for name, value in node.metric_state.items()}
 
-    def _open_call(self, module: nn.Module, args: Any) -> None:
-        if self._open is None:  # a call inside another (a collection's metrics) belongs to the outer one
-            self._open = _Call(next(position for position, node in enumerate(self.nodes) if node is module))
+    def _open_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        # A call inside another (a collection's metrics) belongs to the outer one; the package's own calls to none.
+        if self._open is None and not self.internal:
+            self._open = _Call(self.positions[id(module)], "forward", args, kwargs)
+            self.dirty = True
 
     def _close_call(self, module: nn.Module, args: Any, output: Any) -> None:
         call = self._open
@@ -197,20 +231,45 @@ class _Copy:
 
 
 class _Call:
-    """A call of one of a copy's metrics (``owner``): what it returned, and each metric's state it computed from."""
+    """A call of one of a copy's metrics (``owner``): its kind, arguments and value, and the states it computed from.
 
-    __slots__ = ("output", "owner", "states")
+    ``kind`` is ``"update"`` or ``"forward"``; ``states`` holds, for a call, each metric's state as its value was
+    computed (its own rows only).
+    """
 
-    def __init__(self, owner: int) -> None:
+    __slots__ = ("args", "kind", "kwargs", "output", "owner", "states")
+
+    def __init__(self, owner: int, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.owner = owner
+        self.kind = kind
+        self.args = args
+        self.kwargs = kwargs
         self.output: Any = None
         self.states: dict[int, dict[str, Any]] = {}
+
+
+class _Recorded:
+    """A copy's ``update``: called from the step's code it is recorded; inside a call of the metric it updates."""
+
+    def __init__(self, replica: _Copy, position: int, update: Callable[..., Any]) -> None:
+        functools.update_wrapper(self, update)
+        self.replica = replica
+        self.position = position
+        self.update = update
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        replica = self.replica
+        if replica.calling:
+            return self.update(*args, **kwargs)  # type: ignore[no-any-return]
+        replica.record(self.position, args, kwargs)
+        return None
 
 
 class _Guard:
     """A copy's ``compute`` or ``reset``: torchmetrics' own code may call it, the step's code may not."""
 
     def __init__(self, replica: _Copy, position: int, name: str, call: Callable[..., Any]) -> None:
+        functools.update_wrapper(self, call)
         self.replica = replica
         self.position = position
         self.name = name
@@ -218,8 +277,7 @@ class _Guard:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         replica = self.replica
-        inside_a_call = replica.internal or replica.calling
-        if not inside_a_call and not caller_module(1).startswith("torchmetrics"):
+        if not replica.calling and not caller_module(1).startswith("torchmetrics"):
             raise _refusal_in_replica(replica, self.position, self.name)
         if self.name == "compute":
             replica.snapshot(self.position)
@@ -235,19 +293,21 @@ class _Unit:
         self.nodes = _subtree(root)
         self.metrics = [position for position, node in enumerate(self.nodes) if isinstance(node, Metric)]
         self.stateful = [position for position in self.metrics if _keeps_state(self.nodes[position])]
-        self.within = {  # each metric's position, with the positions of the metrics it holds
+        self.within = {  # each unit node's position, with the positions of the metrics it holds
             position: [
                 inner
                 for inner, node in enumerate(self.nodes)
                 if isinstance(node, Metric) and _holds(self.nodes[position], node)
             ]
-            for position in self.metrics
+            for position, node in enumerate(self.nodes)
+            if isinstance(node, _UNITS)
         }
         self.device = _device_of(root)
         self.copies = [_Copy(self, device, index) for index, device in enumerate(devices)]
         self.scratch = _Copy(self, self.device, -1)
         self.refusals = self._refusals()
         self._settled = 0
+        self._outputs: list[Any] | None = None
         self._values: dict[tuple[int, int], Any] = {}
         self._leaves: list[dict[int, tuple[int, tuple[Any, ...]]]] | None = None
 
@@ -259,7 +319,7 @@ class _Unit:
         return f"self.{self.name}.{inner}" if self.name else f"self.{inner}"
 
     def _refusals(self) -> dict[int, str]:
-        """Why each metric that cannot be merged cannot be, by position.
+        """Why each metric whose replicas' states cannot be merged cannot be, by position.
 
         A metric with states of its own is asked: ``merge_state`` of the scratch copy's fresh state. A wrapper whose
         metrics hold the states has none to merge, and merging them is exact unless it declares its update needs the
@@ -268,12 +328,13 @@ class _Unit:
         refusals = {}
         for position in self.metrics:
             node = self.nodes[position]
-            if position not in self.stateful and (node.full_state_update is True or node.dist_sync_on_step):
-                flag = "full_state_update=True" if node.full_state_update is True else "dist_sync_on_step=True"
+            if position not in self.stateful and (node.full_state_update is not False or node.dist_sync_on_step):
+                flag = "dist_sync_on_step=True" if node.dist_sync_on_step else "full_state_update=True"
                 refusals[position] = f"{type(node).__name__} declares {flag}"
         scratch, fresh = self.scratch, self.copies[0]
         scratch.start("forward")
         fresh.start("forward")
+        scratch.dirty = True
         for position in self.stateful:
             node = scratch.nodes[position]
             set_update_count(node, 1)
@@ -284,34 +345,72 @@ class _Unit:
         scratch.start("forward")
         return refusals
 
-    def settle(self, replicas: int) -> None:
-        copies = self.copies[:replicas]
-        self._settled = replicas
+    def settle(self, sizes: list[int]) -> None:
+        """Give the module's metrics what the first ``len(sizes)`` copies recorded in the call, in batch order.
+
+        Calls whose arguments join are made once on the module's metrics, with the whole batch. Where every call
+        was a call of the metric (its forward), which updated the copy as it computed the replica's value, and
+        torchmetrics can merge the metrics, the copies' states are merged instead: as exact, and cheaper.
+        """
+        copies = self.copies[: len(sizes)]
+        self._settled = len(sizes)
+        self._outputs = None
         self._values = {}
         self._leaves = None
-        touched = [replica for replica in copies if any(replica.changed(position) for position in self.metrics)]
-        if not touched:
+        if not any(replica.calls for replica in copies):
             return
-        for position, reason in self.refusals.items():
-            if any(replica.changed(inner) for replica in touched for inner in self.within[position]):
-                raise ReplicaStateError(
-                    f"{touched[0].method} updated {self.path(position)} ({type(self.nodes[position]).__name__})"
-                    f" inside the replicas, and torchmetrics cannot merge the replicas' states into one ({reason})."
-                    f" {_MERGE_FIX}. A metric of your own whose update needs no earlier state can declare"
-                    " full_state_update = False in its class.",
-                    self.path(position),
-                    touched[0].method,
-                )
+        refused = self._refused(copies)
+        if refused is None and all(call.kind == "forward" for replica in copies for call in replica.calls):
+            self._merge(copies)
+            return
+        joined = _join_calls(copies, sizes, self.device, self.path)
+        if isinstance(joined, list):
+            self._outputs = [self._take(call) for call in joined]
+            return
+        if refused is not None:
+            position, reason = refused
+            raise ReplicaStateError(
+                f"{copies[0].method} updated {self.path(position)} ({type(self.nodes[position]).__name__}) inside"
+                f" the replicas with {joined}. So the replicas' arguments cannot be joined into the whole batch's,"
+                f" and torchmetrics cannot merge the replicas' states into one either ({reason.rstrip('.')})."
+                " Pass it one value per row of the batch (per-row predictions and targets, not a value reduced over"
+                f" the rows), or {_MERGE_FIX}.",
+                self.path(position),
+                copies[0].method,
+            )
+        for replica in copies:
+            replica.take_calls()
+        self._merge(copies)
+
+    def _refused(self, copies: Sequence[_Copy]) -> tuple[int, str] | None:
+        """The first metric the copies' calls reached whose states torchmetrics cannot merge, and why, if one."""
+        for owner in dict.fromkeys(call.owner for replica in copies for call in replica.calls):
+            for position in self.within[owner]:
+                reason = self.refusals.get(position)
+                if reason is not None:
+                    return position, reason
+        return None
+
+    def _take(self, call: _Call) -> Any:
+        """Make ``call``, joined from every replica's, on the module's own metric: one device's call."""
+        node = self.nodes[call.owner]
+        if call.kind == "update":
+            return node.update(*call.args, **call.kwargs)
+        return node(*call.args, **call.kwargs)
+
+    def _merge(self, copies: Sequence[_Copy]) -> None:
+        """Merge the states the copies reached into the module's metrics, in batch order."""
         self.scratch.start("forward")
+        self.scratch.dirty = True
         for position in self.metrics:
             original = self.nodes[position]
-            counts = [replica.updated(position) for replica in touched]
-            changed = [replica.changed(position) for replica in touched]
+            counts = [replica.updated(position) for replica in copies]
+            changed = [replica.changed(position) for replica in copies]
             if not any(changed):
                 continue
             before = original.update_count
             if position in self.stateful:
-                incoming = [replica.nodes[position] for replica, keep in zip(touched, changed, strict=True) if keep]
+                incoming = [replica.nodes[position] for replica, keep in zip(copies, changed, strict=True) if keep]
                 for metric in incoming:
                     _move_states(metric, self.device)
                 merged = self.scratch.nodes[position]
@@ -320,7 +419,7 @@ class _Unit:
                     setattr(original, name, value)
             set_update_count(original, before + max(counts))
             forget_computed(original)
-            if any(position in call.states for replica in touched for call in replica.calls):
+            if any(position in call.states for replica in copies for call in replica.calls):
                 set_forward_value(original, None)  # worked out when logged (resolve), from every replica's call
 
     def resolve(self, value: Any, replica: int) -> tuple[Metric | None, Any] | None:
@@ -328,11 +427,13 @@ class _Unit:
             return None
         copied = self.copies[replica]
         if isinstance(value, _UNITS):
-            if not any(value is node for node in copied.nodes):
+            position = copied.positions.get(id(value))
+            if position is None:
                 return None
-            position = next(position for position, node in enumerate(copied.nodes) if node is value)
             original = self.nodes[position]
-            if isinstance(original, Metric):
+            if not isinstance(original, Metric):
+                return None
+            if self._outputs is None:
                 # A composition (``SumMetric() + SumMetric()``) computes from its metrics' states, none of its own.
                 last = [
                     index
@@ -341,8 +442,7 @@ class _Unit:
                 ]
                 if last:
                     set_forward_value(original, self._value_of(position, last[-1]))
-                return original, None
-            return None
+            return original, None
         if not isinstance(value, torch.Tensor):
             return None
         if self._leaves is None:
@@ -351,7 +451,10 @@ class _Unit:
         if found is None:
             return None
         index, path = found
-        whole = self._value_of(self.copies[replica].calls[index].owner, index)
+        if self._outputs is not None:
+            whole = self._outputs[index]
+        else:
+            whole = self._value_of(self.copies[replica].calls[index].owner, index)
         for key in path:
             whole = whole[key]
         return None, whole
@@ -375,6 +478,7 @@ class _Unit:
             )
         scratch = self.scratch
         scratch.start("forward")
+        scratch.dirty = True
         for node_position in self.stateful:
             states = [
                 {name: _to(value, self.device) for name, value in call.states[node_position].items()}
@@ -390,6 +494,94 @@ class _Unit:
             scratch.internal = False
         self._values[key] = value
         return value
+
+
+class _Unjoinable(Exception):
+    """An argument the replicas passed that is not one entry per row of their chunks, nor the same in all."""
+
+
+def _join_calls(
+    copies: Sequence[_Copy], sizes: Sequence[int], device: torch.device, path: Callable[[int], str]
+) -> list[_Call] | str:
+    """The calls every replica made, each joined into one call on the whole batch; or why they cannot be."""
+    first = copies[0].calls
+    for replica in copies[1:]:
+        if [(call.owner, call.kind) for call in replica.calls] != [(call.owner, call.kind) for call in first]:
+            counts = [len(other.calls) for other in copies]
+            return f"calls that differ between the replicas (replica 0 made {len(first)}, the replicas {counts})"
+    if len(copies) == 1:
+        return list(first)
+    joined = []
+    with torch.no_grad():
+        for index, call in enumerate(first):
+            calls = [replica.calls[index] for replica in copies]
+            where = f"{path(call.owner)}.{call.kind}"
+            try:
+                if any(
+                    len(other.args) != len(call.args) or other.kwargs.keys() != call.kwargs.keys() for other in calls
+                ):
+                    raise _Unjoinable(f"arguments that differ between the replicas in {where}")
+                args = tuple(
+                    _join([other.args[i] for other in calls], sizes, device, f"argument {i + 1} of {where}")
+                    for i in range(len(call.args))
+                )
+                kwargs = {
+                    key: _join([other.kwargs[key] for other in calls], sizes, device, f"{key}= of {where}")
+                    for key in call.kwargs
+                }
+            except _Unjoinable as reason:
+                return str(reason)
+            joined.append(_Call(call.owner, call.kind, args, kwargs))
+    return joined
+
+
+def _join(values: Sequence[Any], sizes: Sequence[int], device: torch.device, what: str) -> Any:
+    """One device's argument from the replicas' ``values``: rows concatenated in batch order, shared values kept.
+
+    A tensor, list or tuple with one entry per row of each replica's chunk (its first dimension, its length) holds
+    the chunk's rows; dicts, and lists and tuples of the same length otherwise, are joined entry by entry; anything
+    else must be the same in every replica (a threshold, a class count), or it is one replica's own.
+    """
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        if not all(isinstance(value, torch.Tensor) for value in values):
+            raise _Unjoinable(f"{what}, a tensor in some replicas only")
+        if first.dim() == 0:
+            raise _Unjoinable(f"{what}, a 0-dim tensor (a value of the replica's rows, not one per row)")
+        per_row = all(value.dim() > 0 and value.shape[0] == rows for value, rows in zip(values, sizes, strict=True))
+        if per_row and len({tuple(value.shape[1:]) for value in values}) == 1:
+            return torch.cat([value.detach().to(device) for value in values])
+        if all(value.shape == first.shape and torch.equal(value, first.to(value.device)) for value in values):
+            return first.to(device)
+        shapes = [tuple(value.shape) for value in values]
+        raise _Unjoinable(f"{what}, tensors of shapes {shapes} for chunks of {list(sizes)} rows")
+    if isinstance(first, Mapping):
+        keys = list(first.keys())
+        if not all(isinstance(value, Mapping) and list(value.keys()) == keys for value in values):
+            raise _Unjoinable(f"{what}, mappings with different keys")
+        joined = {key: _join([value[key] for value in values], sizes, device, f"{what}[{key!r}]") for key in keys}
+        return joined if type(first) is dict else type(first)(joined)
+    if isinstance(first, (list, tuple)) and not is_namedtuple(first):
+        if not all(type(value) is type(first) for value in values):
+            raise _Unjoinable(f"{what}, a {type(first).__name__} in some replicas only")
+        if all(len(value) == rows for value, rows in zip(values, sizes, strict=True)):
+            return type(first)(_to(item, device) for value in values for item in value)
+        if len({len(value) for value in values}) == 1:
+            return type(first)(
+                _join([value[i] for value in values], sizes, device, f"{what}[{i}]") for i in range(len(first))
+            )
+        lengths = [len(value) for value in values]
+        raise _Unjoinable(f"{what}, of lengths {lengths} for chunks of {list(sizes)} rows")
+    if all(value is first for value in values) or all(_equal_plain(value, first) for value in values):
+        return first
+    shown = ", ".join(f"{value!r:.20}" for value in values)
+    raise _Unjoinable(f"{what}, which differs between the replicas ({shown})")
+
+
+def _equal_plain(value: Any, other: Any) -> bool:
+    """Whether two plain values (numbers, strings, ``None``) are the same."""
+    plain = (type(None), bool, int, float, str)
+    return isinstance(value, plain) and type(value) is type(other) and value == other
 
 
 def _holds(outer: nn.Module, inner: nn.Module) -> bool:
