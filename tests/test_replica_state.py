@@ -9,7 +9,9 @@ not depend on which thread ran first.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -17,6 +19,7 @@ import lightning as L
 import pytest
 import torch
 import torchmetrics
+from lightning.pytorch.callbacks import ModelCheckpoint
 from models import assert_same_parameters, parameters, trainer
 from torch import nn
 from torch.nn import functional as F
@@ -172,7 +175,12 @@ def _assert_close(left: Any, right: Any, what: str) -> None:
             _assert_close(left[key], right[key], f"{what}[{key!r}]")
     else:
         torch.testing.assert_close(
-            torch.as_tensor(left).double(), torch.as_tensor(right).double(), atol=1e-6, rtol=1e-6, msg=what
+            torch.as_tensor(left).double(),
+            torch.as_tensor(right).double(),
+            atol=1e-6,
+            rtol=1e-6,
+            equal_nan=True,
+            msg=what,
         )
 
 
@@ -327,6 +335,104 @@ class _UpdatesInStep(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
+class _Wrappers(L.LightningModule):
+    """torchmetrics' wrappers updated, called and logged in the steps, and collections with and without groups."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.Linear(4, 3).double()
+        self.running = wrappers.Running(torchmetrics.MeanSquaredError(), window=3)
+        self.minmax = wrappers.MinMaxMetric(torchmetrics.MeanSquaredError())
+        self.bootstrap = wrappers.BootStrapper(torchmetrics.MeanSquaredError(), num_bootstraps=4)
+        self.tracker = wrappers.MetricTracker(classification.MulticlassAccuracy(3))
+        self.classwise = wrappers.ClasswiseWrapper(classification.MulticlassRecall(3, average=None))
+        self.grouped = torchmetrics.MetricCollection(
+            [classification.MulticlassPrecision(3), classification.MulticlassRecall(3)], prefix="grouped_"
+        )
+        self.ungrouped = torchmetrics.MetricCollection(
+            [classification.MulticlassPrecision(3), classification.MulticlassAUROC(3)],
+            prefix="ungrouped_",
+            compute_groups=False,
+        )
+        self.evaluated = torchmetrics.MetricCollection(
+            {"accuracy": classification.MulticlassAccuracy(3), "f1": classification.MulticlassF1Score(3)}
+        )
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 0 or self.tracker.n_steps == 0:  # a resumed epoch starts at a later batch
+            self.tracker.increment()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        logits = self.layer(batch[0])
+        scores, y = logits.detach(), batch[1]
+        self.running(scores[:, 0], scores[:, 1])
+        self.log("running", self.running, on_step=True, on_epoch=True)
+        # MinMaxMetric keeps its min and max in plain attributes, which no checkpoint holds: only its value is logged.
+        self.log("minmax_raw", self.minmax(scores[:, 0], scores[:, 1])["raw"])
+        self.bootstrap.update(scores[:, 0], scores[:, 1])
+        self.tracker.update(scores, y)
+        self.log_dict(self.classwise(scores, y), on_step=True)
+        self.grouped.update(scores, y)
+        self.log_dict(self.grouped, on_step=False, on_epoch=True)
+        self.log_dict(self.ungrouped(scores.softmax(-1), y), on_step=True, on_epoch=False)
+        return F.cross_entropy(logits, y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.evaluated.update(self.layer(batch[0]), batch[1])
+        self.log_dict(self.evaluated, on_step=False, on_epoch=True)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        values = self.evaluated(self.layer(batch[0]), batch[1])
+        self.log_dict({f"test_{key}": value for key, value in values.items()}, on_step=True, on_epoch=False)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def _straight_run(tmp_path: Path) -> tuple[_Wrappers, list[dict[str, torch.Tensor]]]:
+    """Two epochs on one device, then a test: the model, and what was logged at each step and validation."""
+    model, recorder = _Wrappers(), _Recorder()
+    run = trainer(tmp_path, callbacks=[recorder], max_epochs=2)
+    run.fit(model, _data(), _data(seed=1))
+    run.test(model, _data(seed=2), verbose=False)
+    recorder.steps.append({key: value.clone() for key, value in run.callback_metrics.items()})
+    return model, recorder.steps
+
+
+def _resumed_run(tmp_path: Path, devices: int) -> tuple[_Wrappers, list[dict[str, torch.Tensor]]]:
+    """The same under mgpu_dp, stopped after step 3 and resumed from its checkpoint: what the resumed run logged."""
+    saving = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
+    settings: dict[str, Any] = {"max_epochs": 2, "devices": devices, "strategy": "mgpu_dp"}
+    trainer(tmp_path, enable_checkpointing=True, callbacks=[saving], max_steps=3, **settings).fit(
+        _Wrappers(), _data(), _data(seed=1)
+    )
+    model, recorder = _Wrappers(), _Recorder()
+    resumed = trainer(tmp_path, callbacks=[recorder], **settings)
+    resumed.fit(model, _data(), _data(seed=1), ckpt_path=str(tmp_path / "epoch=0-step=3.ckpt"))
+    resumed.test(model, _data(seed=2), verbose=False)
+    recorder.steps.append({key: value.clone() for key, value in resumed.callback_metrics.items()})
+    return model, recorder.steps
+
+
+@pytest.mark.parametrize("devices", [1, 2, 3])
+def test_wrappers_and_collections_in_every_step_equal_one_device_across_a_mid_epoch_resume(
+    tmp_path: Path, devices: int
+) -> None:
+    one_device, expected = _straight_run(tmp_path / "one")
+    expected = expected[3:]  # the resumed run logs from step 4 on
+    for attempt in range(2):
+        split, logged = _resumed_run(tmp_path / f"run{attempt}", devices)
+        assert len(logged) == len(expected)
+        for index, (values, wanted) in enumerate(zip(logged, expected, strict=True)):
+            _assert_close(values, wanted, f"{devices} replicas: logged values at record {index}")
+        for name in ("running", "minmax", "bootstrap", "classwise", "grouped", "ungrouped", "evaluated"):
+            _assert_close(_states(getattr(split, name)), _states(getattr(one_device, name)), f"{name} states")
+            if name != "minmax":
+                _assert_close(getattr(split, name).compute(), getattr(one_device, name).compute(), f"{name}.compute()")
+        _assert_close(split.tracker.compute_all(), one_device.tracker.compute_all(), "tracker.compute_all()")
+
+
 class _UpdatesInStepEnd(_UpdatesInStep):
     """Updates the metric in ``training_step_end``, on the outputs gathered from every replica."""
 
@@ -440,6 +546,48 @@ class _CallsInStep(_UpdatesInStep):
         self.metric.update(logits, batch[1])
         self.call(self.metric)
         return F.cross_entropy(logits, batch[1])
+
+
+class _Inspects(_UpdatesInStep):
+    """Looks at its metric in the step, as code that checks what it was given does."""
+
+    def __init__(self) -> None:
+        super().__init__(classification.MulticlassAccuracy(3))
+        self.seen: list[tuple[Any, ...]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        logits = self.layer(batch[0])
+        metric = self.metric
+        self.seen.append(
+            (
+                type(metric).__name__,
+                isinstance(metric, classification.MulticlassAccuracy),
+                metric.update.__name__,
+                metric.update.__doc__,
+                str(inspect.signature(metric.update)),
+                metric.compute.__name__,
+                metric.reset.__doc__,
+                metric.num_classes,
+                metric.average,
+            )
+        )
+        metric.update(logits, batch[1])
+        return F.cross_entropy(logits, batch[1])
+
+
+@pytest.mark.parametrize("devices", [1, 2, 3])
+def test_a_metric_looked_at_in_the_step_reads_as_on_one_device_and_the_users_is_left_as_it_was(devices: int) -> None:
+    one_device = _Inspects()
+    trainer(max_steps=2).fit(one_device, _data())
+    model = _Inspects()
+    methods = {name: model.metric.__dict__[name] for name in ("update", "compute")}
+    trainer(max_steps=2, devices=devices, strategy="mgpu_dp").fit(model, _data())
+    assert model.seen[-1] == one_device.seen[-1]
+    assert {name: model.metric.__dict__[name] for name in ("update", "compute")} == methods
+    assert "reset" not in model.metric.__dict__
+    assert not model.metric._forward_hooks
+    assert not model.metric._forward_pre_hooks
+    torch.testing.assert_close(model.metric.compute(), one_device.metric.compute())
 
 
 @pytest.mark.parametrize("method", ["compute", "reset"])

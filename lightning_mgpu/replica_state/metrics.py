@@ -222,12 +222,19 @@ class _Copy:
             self._open = _Call(self.positions[id(module)], "forward", args, kwargs)
             self.dirty = True
 
-    def _close_call(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _close_call(self, module: nn.Module, args: Any, output: Any) -> Any:
         call = self._open
-        if call is not None and self.nodes[call.owner] is module:
-            call.output = output
-            self.calls.append(call)
-            self._open = None
+        if call is None or self.nodes[call.owner] is not module:
+            return None
+        leaves = [id(leaf) for _, leaf in _leaves(output)]
+        if len(set(leaves)) < len(leaves):
+            # One tensor at several keys (MinMaxMetric's first value is its max and min too): each key gets a tensor
+            # object of its own, so that a logged value tells which key it was, as it does on one device.
+            output = _distinct(output, set())
+        call.output = output
+        self.calls.append(call)
+        self._open = None
+        return output
 
 
 class _Call:
@@ -718,6 +725,20 @@ def _device_of(unit: nn.Module) -> torch.device:
 def _leaf_index(calls: Sequence[_Call]) -> dict[int, tuple[int, tuple[Any, ...]]]:
     """Each tensor that a copy's calls returned, by ``id``, mapped to the call's index and its key path in the value."""
     return {id(leaf): (index, path) for index, call in enumerate(calls) for path, leaf in _leaves(call.output)}
+
+
+def _distinct(output: Any, seen: set[int]) -> Any:
+    """``output`` with every tensor object that appears again replaced by a view of it: equal, and its own object."""
+    if isinstance(output, torch.Tensor):
+        if id(output) in seen:
+            return output.view_as(output)
+        seen.add(id(output))
+        return output
+    if isinstance(output, dict):
+        return type(output)((key, _distinct(value, seen)) for key, value in output.items())
+    if isinstance(output, (list, tuple)) and not is_namedtuple(output):
+        return type(output)(_distinct(value, seen) for value in output)
+    return output
 
 
 def _leaves(output: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], torch.Tensor]]:
