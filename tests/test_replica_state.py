@@ -503,6 +503,53 @@ def test_a_value_of_the_replicas_rows_given_to_a_sum_is_added_as_ddp_ranks_are()
     _assert_close(_states(split.metric), _states(one_device.metric), "states")
 
 
+class _TwoBootstraps(L.LightningModule):
+    """Two metrics that draw random numbers, updated in the other order than the module holds them."""
+
+    def __init__(self, change_after: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.Linear(4, 3).double()
+        self.first = wrappers.BootStrapper(torchmetrics.MeanSquaredError(), num_bootstraps=3).double()
+        self.second = wrappers.BootStrapper(torchmetrics.MeanAbsoluteError(), num_bootstraps=3).double()
+        self.change_after = change_after
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        logits = self.layer(batch[0])
+        scores, others = logits.detach().clone(), logits.detach().clone()
+        self.second.update(scores[:, 0], scores[:, 1])
+        self.first.update(others[:, 1], others[:, 2])
+        if self.change_after:
+            scores.zero_()  # one device's metrics took the values before
+        return F.cross_entropy(logits, batch[1])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_metrics_that_draw_random_numbers_draw_them_in_the_order_the_step_updated_them(devices: int) -> None:
+    one_device = _TwoBootstraps()
+    trainer(max_epochs=2).fit(one_device, _data())
+    for _ in range(2):
+        split = _TwoBootstraps()
+        trainer(max_epochs=2, devices=devices, strategy="mgpu_dp").fit(split, _data())
+        for name in ("first", "second"):
+            _assert_close(_states(getattr(split, name)), _states(getattr(one_device, name)), f"{name} states")
+            _assert_close(getattr(split, name).compute(), getattr(one_device, name).compute(), f"{name}.compute()")
+
+
+def test_an_argument_changed_in_place_after_the_update_stops_the_step_naming_it() -> None:
+    model = _TwoBootstraps(change_after=True)
+    before = parameters(model.layer)
+    with pytest.raises(ReplicaStateError) as caught:
+        trainer(max_steps=2, devices=2, strategy="mgpu_dp").fit(model, _data())
+    assert caught.value.path == "self.second"
+    assert "changed argument 1 of self.second.update in place after passing it" in str(caught.value)
+    assert ".clone()" in str(caught.value)
+    assert_same_parameters(before, parameters(model.layer), atol=0)
+
+
 class _MockedUpdate(_UpdatesInStep):
     def __init__(self) -> None:
         super().__init__(classification.MulticlassAccuracy(3))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -98,8 +99,12 @@ class MetricReplicas:
             sizes: the rows each replica received, in batch order; ``None`` for a call without inputs, which ran
                 on one replica.
         """
-        for unit in self.units:
-            unit.settle(list(sizes) if sizes is not None else [0])
+        rows = list(sizes) if sizes is not None else [0]
+        takes = [take for unit in self.units for take in unit.settle(rows)]
+        # The module's metrics take the calls in the order the step made them, whatever their metric: metrics that
+        # draw random numbers (BootStrapper) draw them in one device's order.
+        for _, unit, index, call in sorted(takes, key=lambda take: take[0]):
+            unit.take(index, call)
 
     def resolve(self, value: Any, replica: int) -> tuple[Metric | None, Any] | None:
         """What ``value``, logged by ``replica`` in the last call, stands for on one device, if it is a metric's.
@@ -178,7 +183,7 @@ class _Copy:
 
     def record(self, position: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Keep an ``update`` of metric ``position`` the step's code made, for the module's metric after the step."""
-        self.calls.append(_Call(position, "update", args, kwargs))
+        self.calls.append(_recorded(position, "update", args, kwargs))
 
     def take_calls(self) -> None:
         """Run every recorded call on this copy, in order, from its default state: its replica's part of the step."""
@@ -219,7 +224,7 @@ class _Copy:
     def _open_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         # A call inside another (a collection's metrics) belongs to the outer one; the package's own calls to none.
         if self._open is None and not self.internal:
-            self._open = _Call(self.positions[id(module)], "forward", args, kwargs)
+            self._open = _recorded(self.positions[id(module)], "forward", args, kwargs)
             self.dirty = True
 
     def _close_call(self, module: nn.Module, args: Any, output: Any) -> Any:
@@ -244,15 +249,56 @@ class _Call:
     computed (its own rows only).
     """
 
-    __slots__ = ("args", "kind", "kwargs", "output", "owner", "states")
+    __slots__ = ("args", "kind", "kwargs", "order", "output", "owner", "states", "versions")
 
-    def __init__(self, owner: int, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def __init__(self, owner: int, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any], order: int = 0) -> None:
         self.owner = owner
         self.kind = kind
         self.args = args
         self.kwargs = kwargs
+        self.order = order
+        """When the call was made, among every metric call of the process: calls are made again in this order."""
         self.output: Any = None
         self.states: dict[int, dict[str, Any]] = {}
+        self.versions: list[int] = []
+        """Each tensor argument's in-place changes when the call was made."""
+
+    def changed_argument(self) -> str | None:
+        """The argument changed in place since the call was made, if one (its values are not the call's any more)."""
+        for (where, tensor), version in zip(_tensor_arguments(self.args, self.kwargs), self.versions, strict=True):
+            if version_counter(tensor) != version:
+                return where
+        return None
+
+
+def _recorded(owner: int, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call:
+    """A call made now, with its place in the order of calls and its tensor arguments' in-place changes so far."""
+    call = _Call(owner, kind, args, kwargs, next(_ORDER))
+    call.versions = [version_counter(tensor) for _, tensor in _tensor_arguments(args, kwargs)]
+    return call
+
+
+_ORDER = itertools.count()
+"""Numbers metric calls in the order they were made: ``next`` on a count is atomic under the interpreter lock."""
+
+
+def _tensor_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors among a call's arguments, however deep in lists, tuples and dicts, each with where it is."""
+    for index, value in enumerate(args):
+        yield from _tensors_in(value, f"argument {index + 1}")
+    for key, value in kwargs.items():
+        yield from _tensors_in(value, f"{key}=")
+
+
+def _tensors_in(value: Any, where: str) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(value, torch.Tensor):
+        yield where, value
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _tensors_in(item, f"{where}[{key!r}]")
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from _tensors_in(item, f"{where}[{index}]")
 
 
 class _Recorded:
@@ -264,10 +310,10 @@ class _Recorded:
         self.position = position
         self.update = update
 
-    def __call__(self, *args: Any, **kwargs: Any) -> None:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         replica = self.replica
         if replica.calling:
-            return self.update(*args, **kwargs)  # type: ignore[no-any-return]
+            return self.update(*args, **kwargs)
         replica.record(self.position, args, kwargs)
         return None
 
@@ -352,12 +398,13 @@ class _Unit:
         scratch.start("forward")
         return refusals
 
-    def settle(self, sizes: list[int]) -> None:
-        """Give the module's metrics what the first ``len(sizes)`` copies recorded in the call, in batch order.
+    def settle(self, sizes: list[int]) -> list[tuple[int, _Unit, int, _Call]]:
+        """What the first ``len(sizes)`` copies recorded in the call, for the module's metrics, in batch order.
 
-        Calls whose arguments join are made once on the module's metrics, with the whole batch. Where every call
-        was a call of the metric (its forward), which updated the copy as it computed the replica's value, and
-        torchmetrics can merge the metrics, the copies' states are merged instead: as exact, and cheaper.
+        Calls whose arguments join are returned, to be made once on the module's metrics with the whole batch
+        (``take``), each with its order among the step's calls. Where every call was a call of the metric (its
+        forward), which updated the copy as it computed the replica's value, and torchmetrics can merge the
+        metrics, the copies' states are merged instead: as exact, and cheaper.
         """
         copies = self.copies[: len(sizes)]
         self._settled = len(sizes)
@@ -365,15 +412,16 @@ class _Unit:
         self._values = {}
         self._leaves = None
         if not any(replica.calls for replica in copies):
-            return
+            return []
+        self._check_unchanged(copies)
         refused = self._refused(copies)
         if refused is None and all(call.kind == "forward" for replica in copies for call in replica.calls):
             self._merge(copies)
-            return
+            return []
         joined = _join_calls(copies, sizes, self.device, self.path)
         if isinstance(joined, list):
-            self._outputs = [self._take(call) for call in joined]
-            return
+            self._outputs = [None] * len(joined)
+            return [(call.order, self, index, call) for index, call in enumerate(joined)]
         if refused is not None:
             position, reason = refused
             raise ReplicaStateError(
@@ -388,6 +436,29 @@ class _Unit:
         for replica in copies:
             replica.take_calls()
         self._merge(copies)
+        return []
+
+    def _check_unchanged(self, copies: Sequence[_Copy]) -> None:
+        """Refuse a call whose tensor argument the step changed in place afterwards: its values are not the call's."""
+        for replica in copies:
+            for call in replica.calls:
+                where = call.changed_argument()
+                if where is not None:
+                    path = f"{self.path(call.owner)}.{call.kind}"
+                    raise ReplicaStateError(
+                        f"{replica.method} changed {where} of {path} in place after passing it, inside replica"
+                        f" {replica.index}. One device's metric takes the values at the call; inside the replicas"
+                        " the module's metric takes every replica's arguments after the step, and would see the"
+                        " changed ones. Pass a copy (.clone()), or make a new tensor instead of changing it.",
+                        self.path(call.owner),
+                        replica.method,
+                    )
+
+    def take(self, index: int, call: _Call) -> None:
+        """Make call ``index`` of the step (``settle`` returned it), every replica's joined, on the module's metric."""
+        node = self.nodes[call.owner]
+        value = node.update(*call.args, **call.kwargs) if call.kind == "update" else node(*call.args, **call.kwargs)
+        self._outputs[index] = value  # type: ignore[index]
 
     def _refused(self, copies: Sequence[_Copy]) -> tuple[int, str] | None:
         """The first metric the copies' calls reached whose states torchmetrics cannot merge, and why, if one."""
@@ -397,13 +468,6 @@ class _Unit:
                 if reason is not None:
                     return position, reason
         return None
-
-    def _take(self, call: _Call) -> Any:
-        """Make ``call``, joined from every replica's, on the module's own metric: one device's call."""
-        node = self.nodes[call.owner]
-        if call.kind == "update":
-            return node.update(*call.args, **call.kwargs)
-        return node(*call.args, **call.kwargs)
 
     def _merge(self, copies: Sequence[_Copy]) -> None:
         """Merge the states the copies reached into the module's metrics, in batch order."""
@@ -538,7 +602,7 @@ def _join_calls(
                 }
             except _Unjoinable as reason:
                 return str(reason)
-            joined.append(_Call(call.owner, call.kind, args, kwargs))
+            joined.append(_Call(call.owner, call.kind, args, kwargs, call.order))
     return joined
 
 
@@ -567,7 +631,7 @@ def _join(values: Sequence[Any], sizes: Sequence[int], device: torch.device, wha
         if not all(isinstance(value, Mapping) and list(value.keys()) == keys for value in values):
             raise _Unjoinable(f"{what}, mappings with different keys")
         joined = {key: _join([value[key] for value in values], sizes, device, f"{what}[{key!r}]") for key in keys}
-        return joined if type(first) is dict else type(first)(joined)
+        return joined if type(first) is dict else type(first)(joined)  # type: ignore[call-arg]
     if isinstance(first, (list, tuple)) and not is_namedtuple(first):
         if not all(type(value) is type(first) for value in values):
             raise _Unjoinable(f"{what}, a {type(first).__name__} in some replicas only")
