@@ -7,6 +7,7 @@ probabilities or logits and targets, per-row regression values, retrieval scores
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from typing import Any
 
@@ -77,6 +78,30 @@ def _translations(out: torch.Tensor, batch: Any) -> tuple[Any, ...]:
     return predicted, [[reference] for reference in references]
 
 
+def _boxes(out: torch.Tensor, batch: Any) -> tuple[Any, ...]:
+    """One predicted and one true box per image (row), as detection metrics take them: lists of dicts per image."""
+    corner = batch[0][:, :2].abs() * 10
+    size = 5 + out[:, :2].abs()
+    predicted = [
+        {"boxes": torch.cat([c, c + s]).unsqueeze(0), "scores": score.reshape(1), "labels": label.reshape(1)}
+        for c, s, score, label in zip(corner, size, out[:, 3].sigmoid(), out[:, :3].argmax(-1), strict=True)
+    ]
+    truth = [
+        {"boxes": torch.cat([c, c + 5]).unsqueeze(0), "labels": label.reshape(1)}
+        for c, label in zip(corner, batch[1], strict=True)
+    ]
+    return predicted, truth
+
+
+def _detection() -> dict[str, tuple[Callable[[], torchmetrics.Metric], Callable[..., tuple[Any, ...]]]]:
+    """``MeanAveragePrecision`` where its optional dependency (pycocotools) is installed."""
+    if importlib.util.find_spec("pycocotools") is None:
+        return {}
+    from torchmetrics.detection import MeanAveragePrecision
+
+    return {"mean_average_precision": (MeanAveragePrecision, _boxes)}
+
+
 METRICS: dict[str, tuple[Callable[[], torchmetrics.Metric], Callable[..., tuple[Any, ...]]]] = {
     "binary_accuracy": (classification.BinaryAccuracy, _binary),
     "binary_auroc": (classification.BinaryAUROC, _binary),
@@ -124,6 +149,7 @@ METRICS: dict[str, tuple[Callable[[], torchmetrics.Metric], Callable[..., tuple[
     "match_error_rate": (text.MatchErrorRate, _sentences),
     "word_info_lost": (text.WordInfoLost, _sentences),
     "extended_edit_distance": (text.ExtendedEditDistance, _translations),
+    **_detection(),
 }
 """Each metric's name, how it is built, and what it is given from the model's outputs and the batch."""
 
