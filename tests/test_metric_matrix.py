@@ -3,8 +3,9 @@
 47 metrics (classification: binary, multiclass, multilabel; regression; retrieval; aggregation; text; detection where
 pycocotools is installed) are updated in ``validation_step`` with what their documentation passes
 (``tests/metric_matrix.py``), under ``mgpu_dp`` on 2 and 3 replicas and under ``mgpu_ddp`` on 2 gloo processes,
-twice each, and computed at the epoch's end: every value equals one device's to 1e-6. Nine of them torchmetrics cannot merge (Pearson, Kendall, concordance, min, max, BLEU,
-SacreBLEU, chrF, mean average precision); inside ``mgpu_dp``'s replicas the module's metric takes the whole batch once.
+twice each, and computed at the epoch's end: every value equals one device's to 1e-6. Nine of them torchmetrics
+cannot merge (Pearson, Kendall, concordance, min, max, BLEU, SacreBLEU, chrF, mean average precision); inside
+``mgpu_dp``'s replicas the module's metric takes the whole batch once.
 """
 
 from __future__ import annotations

@@ -143,7 +143,8 @@ class _Copy:
         for position, node in enumerate(self.nodes):
             if isinstance(node, _UNITS):
                 node.__dict__["compute"] = _Guard(self, position, "compute", node.compute)
-                node.__dict__["reset"] = _Guard(self, position, "reset", node.reset)
+                if "reset" not in vars(unit.nodes[position]):  # a reset of the user's own (a mock) stays theirs
+                    node.__dict__["reset"] = _Guard(self, position, "reset", node.reset)
                 node.__dict__["update"] = _Recorded(self, position, node.update)
                 node.register_forward_pre_hook(self._open_call, with_kwargs=True)
                 node.register_forward_hook(self._close_call)
@@ -195,7 +196,11 @@ class _Copy:
         self.dirty = True
         try:
             for call in calls:
-                self.nodes[call.owner].update(*call.args, **call.kwargs)  # a call's effect on the states is an update
+                node = self.nodes[call.owner]
+                if call.kind == "update":
+                    node.update(*call.args, **call.kwargs)
+                else:
+                    node(*call.args, **call.kwargs)  # a metric's forward may leave other states than an update
         finally:
             self.internal = False
 
@@ -355,6 +360,16 @@ class _Unit:
             for position, node in enumerate(self.nodes)
             if isinstance(node, _UNITS)
         }
+        # Calls of a metric whose forward reduces the batch's state into the metric's (no metric in it declares
+        # full_state_update or dist_sync_on_step) leave the states one update leaves, so their copies merge as they
+        # stand; another's forward may leave others (MinMaxMetric's resets its metric to the batch).
+        self.forward_updates = {
+            position: all(
+                self.nodes[inner].full_state_update is False and not self.nodes[inner].dist_sync_on_step
+                for inner in inners
+            )
+            for position, inners in self.within.items()
+        }
         self.device = _device_of(root)
         self.copies = [_Copy(self, device, index) for index, device in enumerate(devices)]
         self.scratch = _Copy(self, self.device, -1)
@@ -374,16 +389,11 @@ class _Unit:
     def _refusals(self) -> dict[int, str]:
         """Why each metric whose replicas' states cannot be merged cannot be, by position.
 
-        A metric with states of its own is asked: ``merge_state`` of the scratch copy's fresh state. A wrapper whose
-        metrics hold the states has none to merge, and merging them is exact unless it declares its update needs the
-        state so far (``BootStrapper``: ``full_state_update=True``), as torchmetrics would refuse to merge it.
+        A metric with states of its own is asked: ``merge_state`` of the scratch copy's fresh state. A wrapper or a
+        composition whose metrics hold the states has none of its own: its metrics' states are merged, as
+        ``Metric.sync`` gathers them across DDP ranks.
         """
         refusals = {}
-        for position in self.metrics:
-            node = self.nodes[position]
-            if position not in self.stateful and (node.full_state_update is not False or node.dist_sync_on_step):
-                flag = "dist_sync_on_step=True" if node.dist_sync_on_step else "full_state_update=True"
-                refusals[position] = f"{type(node).__name__} declares {flag}"
         scratch, fresh = self.scratch, self.copies[0]
         scratch.start("forward")
         fresh.start("forward")
@@ -415,7 +425,8 @@ class _Unit:
             return []
         self._check_unchanged(copies)
         refused = self._refused(copies)
-        if refused is None and all(call.kind == "forward" for replica in copies for call in replica.calls):
+        calls = [call for replica in copies for call in replica.calls]
+        if refused is None and all(call.kind == "forward" and self.forward_updates[call.owner] for call in calls):
             self._merge(copies)
             return []
         joined = _join_calls(copies, sizes, self.device, self.path)
