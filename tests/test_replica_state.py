@@ -495,6 +495,29 @@ def test_a_value_of_the_replicas_rows_given_to_a_metric_that_cannot_be_merged_st
     assert_same_parameters(before, parameters(model.layer), atol=0)
 
 
+class _CalledThenRefused(_UpdatesInStep):
+    """Calls a metric the replicas' copies merge, then gives another one a value it cannot take."""
+
+    def __init__(self) -> None:
+        super().__init__(classification.MulticlassAccuracy(3))
+        self.best = torchmetrics.MaxMetric().double()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        logits = self.layer(batch[0])
+        self.metric(logits, batch[1])
+        loss = F.cross_entropy(logits, batch[1])
+        self.best.update(loss.detach())
+        return loss
+
+
+def test_a_refused_metric_leaves_every_metric_of_the_module_as_it_was() -> None:
+    model = _CalledThenRefused()
+    with pytest.raises(ReplicaStateError, match="self.best"):
+        trainer(devices=2, strategy="mgpu_dp", max_steps=1).fit(model, _data())
+    assert model.metric.update_count == 0
+    assert model.best.update_count == 0
+
+
 def test_a_value_of_the_replicas_rows_given_to_a_sum_is_added_as_ddp_ranks_are() -> None:
     one_device = _UpdatesInStep(_Declared(), arguments=_sums)
     _run(one_device)

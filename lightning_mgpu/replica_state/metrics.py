@@ -23,8 +23,9 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
+import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -100,11 +101,14 @@ class MetricReplicas:
                 on one replica.
         """
         rows = list(sizes) if sizes is not None else [0]
-        takes = [take for unit in self.units for take in unit.settle(rows)]
+        plans = [unit.plan(rows) for unit in self.units]  # a refusal comes before any metric of the module changes
+        for _, merge in plans:
+            if merge is not None:
+                merge()
         # The module's metrics take the calls in the order the step made them, whatever their metric: metrics that
         # draw random numbers (BootStrapper) draw them in one device's order.
-        for _, unit, index, call in sorted(takes, key=lambda take: take[0]):
-            unit.take(index, call)
+        for take in sorted((take for takes, _ in plans for take in takes), key=operator.attrgetter("order")):
+            take.unit.take(take.number, take.call)
 
     def resolve(self, value: Any, replica: int) -> tuple[Metric | None, Any] | None:
         """What ``value``, logged by ``replica`` in the last call, stands for on one device, if it is a metric's.
@@ -408,13 +412,14 @@ class _Unit:
         scratch.start("forward")
         return refusals
 
-    def settle(self, sizes: list[int]) -> list[tuple[int, _Unit, int, _Call]]:
-        """What the first ``len(sizes)`` copies recorded in the call, for the module's metrics, in batch order.
+    def plan(self, sizes: list[int]) -> tuple[list[_Take], Callable[[], None] | None]:
+        """How the module's metrics take what the first ``len(sizes)`` copies recorded in the call, in batch order.
 
-        Calls whose arguments join are returned, to be made once on the module's metrics with the whole batch
-        (``take``), each with its order among the step's calls. Where every call was a call of the metric (its
-        forward), which updated the copy as it computed the replica's value, and torchmetrics can merge the
-        metrics, the copies' states are merged instead: as exact, and cheaper.
+        Returns the calls whose arguments join, to be made once on the module's metrics with the whole batch
+        (``take``), each with its order among the step's calls; or a merge of the copies' states into the module's
+        metrics, to be run. Where every call was a call of the metric (its forward), which updated the copy as it
+        computed the replica's value, and torchmetrics can merge the metrics, the copies are merged as they stand:
+        as exact, and cheaper. A refusal is raised here, before any metric of the module changes.
         """
         copies = self.copies[: len(sizes)]
         self._settled = len(sizes)
@@ -422,17 +427,16 @@ class _Unit:
         self._values = {}
         self._leaves = None
         if not any(replica.calls for replica in copies):
-            return []
+            return [], None
         self._check_unchanged(copies)
         refused = self._refused(copies)
         calls = [call for replica in copies for call in replica.calls]
         if refused is None and all(call.kind == "forward" and self.forward_updates[call.owner] for call in calls):
-            self._merge(copies)
-            return []
+            return [], functools.partial(self._merge, copies)
         joined = _join_calls(copies, sizes, self.device, self.path)
         if isinstance(joined, list):
             self._outputs = [None] * len(joined)
-            return [(call.order, self, index, call) for index, call in enumerate(joined)]
+            return [_Take(call.order, self, index, call) for index, call in enumerate(joined)], None
         if refused is not None:
             position, reason = refused
             raise ReplicaStateError(
@@ -445,9 +449,8 @@ class _Unit:
                 copies[0].method,
             )
         for replica in copies:
-            replica.take_calls()
-        self._merge(copies)
-        return []
+            replica.take_calls()  # each copy, from its default state: the module's metrics are left alone
+        return [], functools.partial(self._merge, copies)
 
     def _check_unchanged(self, copies: Sequence[_Copy]) -> None:
         """Refuse a call whose tensor argument the step changed in place afterwards: its values are not the call's."""
@@ -466,7 +469,7 @@ class _Unit:
                     )
 
     def take(self, index: int, call: _Call) -> None:
-        """Make call ``index`` of the step (``settle`` returned it), every replica's joined, on the module's metric."""
+        """Make call ``index`` of the step (``plan`` returned it), every replica's joined, on the module's metric."""
         node = self.nodes[call.owner]
         value = node.update(*call.args, **call.kwargs) if call.kind == "update" else node(*call.args, **call.kwargs)
         self._outputs[index] = value  # type: ignore[index]
@@ -576,6 +579,15 @@ class _Unit:
             scratch.internal = False
         self._values[key] = value
         return value
+
+
+class _Take(NamedTuple):
+    """Call number ``number`` of the step for ``unit``'s metrics, every replica's joined; ``order``-th of all calls."""
+
+    order: int
+    unit: _Unit
+    number: int
+    call: _Call
 
 
 class _Unjoinable(Exception):
