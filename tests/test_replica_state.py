@@ -573,6 +573,42 @@ def test_an_argument_changed_in_place_after_the_update_stops_the_step_naming_it(
     assert_same_parameters(before, parameters(model.layer), atol=0)
 
 
+def _mean_loss(logits: torch.Tensor, batch: Any) -> tuple[Any, ...]:
+    return (F.cross_entropy(logits, batch[1]),)
+
+
+def test_a_mean_of_each_replicas_mean_loss_is_one_devices_when_the_chunks_have_equal_rows() -> None:
+    even = DataLoader(torch.utils.data.Subset(_data().dataset, range(20)), batch_size=4)  # 2 + 2 rows per step
+    one_device = _UpdatesInStep(torchmetrics.MeanMetric().double(), arguments=_mean_loss)
+    trainer(max_epochs=1).fit(one_device, even)
+    split = _UpdatesInStep(torchmetrics.MeanMetric().double(), arguments=_mean_loss)
+    trainer(max_epochs=1, devices=2, strategy="mgpu_dp").fit(split, even)
+    _assert_close(split.metric.compute(), one_device.metric.compute(), "compute()")
+
+
+def _mismatched(logits: torch.Tensor, batch: Any) -> tuple[Any, ...]:
+    return logits[:, 0], logits[:, :2]
+
+
+def test_a_metrics_own_error_is_raised_with_torchmetrics_message_for_the_whole_batch() -> None:
+    errors = []
+    for settings in ({}, {"devices": 2, "strategy": "mgpu_dp"}):
+        with pytest.raises(RuntimeError) as caught:
+            trainer(max_steps=1, **settings).fit(_UpdatesInStep(torchmetrics.MeanSquaredError(), _mismatched), _data())
+        errors.append(caught.value)
+    assert type(errors[1]) is type(errors[0])
+    assert str(errors[1]) == str(errors[0])
+    assert "torch.Size([5, 2])" in str(errors[0])
+
+
+def test_a_min_max_metrics_minimum_and_maximum_are_in_no_checkpoint() -> None:
+    metric = wrappers.MinMaxMetric(torchmetrics.MeanSquaredError())
+    metric(torch.ones(3), torch.zeros(3))
+    assert not {"min_val", "max_val"} & set(metric.metric_state)
+    assert not any(key.endswith(("min_val", "max_val")) for key in metric.state_dict())
+    assert float(metric.max_val) == 1.0  # held, in a plain attribute
+
+
 class _MockedUpdate(_UpdatesInStep):
     def __init__(self) -> None:
         super().__init__(classification.MulticlassAccuracy(3))
