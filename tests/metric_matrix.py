@@ -94,11 +94,13 @@ def _boxes(out: torch.Tensor, batch: Any) -> tuple[Any, ...]:
 
 
 def _detection() -> dict[str, tuple[Callable[[], torchmetrics.Metric], Callable[..., tuple[Any, ...]]]]:
-    """``MeanAveragePrecision`` where its optional dependency (pycocotools) is installed."""
+    """``MeanAveragePrecision`` where its optional dependencies (pycocotools, torchvision) are installed."""
+    try:
+        from torchmetrics.detection import MeanAveragePrecision  # exported where torchvision is installed
+    except ImportError:
+        return {}
     if importlib.util.find_spec("pycocotools") is None:
         return {}
-    from torchmetrics.detection import MeanAveragePrecision
-
     return {"mean_average_precision": (MeanAveragePrecision, _boxes)}
 
 
