@@ -626,3 +626,51 @@ def test_log_checker_checks_a_call_like_one_that_passed_only_for_its_arguments_a
     assert isinstance(two_elements, ValueError)
     assert "the tensor must have a single element" in str(two_elements)
     assert checked == ["m", "s", "m", "s"], "each call checked by Lightning once per kind of call"
+
+
+def test_log_checker_checks_a_metric_logged_like_before_only_for_its_arguments_and_another_metric_in_full() -> None:
+    import torchmetrics
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+    from models import Regressor, loader, regression_data, trainer
+
+    checked: list[str] = []
+    outcomes: list[BaseException | None] = []
+
+    @functools.wraps(pl.LightningModule.log)  # its parameters, by which a call's arguments are read
+    def counting_log(module: pl.LightningModule, name: str, *args: object, **kwargs: object) -> None:
+        checked.append(name)
+        pl.LightningModule.log(module, name, *args, **kwargs)
+
+    class Checks(Regressor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = torchmetrics.SumMetric()
+            self.second = torchmetrics.SumMetric()
+
+        def training_step(self, batch: object, batch_idx: int) -> torch.Tensor:
+            check = _compat.log_checker(self, counting_log)
+            calls: list[tuple[tuple[object, ...], dict[str, object]]] = [(("a", self.first), {})]
+            if batch_idx == 1:
+                calls = [
+                    (("a", self.first), {}),  # like the call of the step before: not checked again
+                    (("b", self.second), {}),  # another metric: checked
+                    (("a", self.first), {"prog_bar": True}),  # other arguments than "a" had above
+                    (("c", torchmetrics.SumMetric()), {}),  # a metric of no attribute: Lightning's error
+                ]
+            for args, kwargs in calls:
+                try:
+                    check(*args, **kwargs)
+                except Exception as error:  # noqa: BLE001 - the outcome compared
+                    outcomes.append(error)
+                else:
+                    outcomes.append(None)
+            return super().training_step(batch, batch_idx)
+
+    trainer(max_steps=2).fit(Checks(), loader(regression_data(rows=8), 4))
+    assert outcomes[:3] == [None, None, None]
+    other_than_above, no_attribute = outcomes[3:]
+    assert isinstance(other_than_above, MisconfigurationException)
+    assert "twice in `training_step` with different arguments" in str(other_than_above)
+    assert isinstance(no_attribute, MisconfigurationException)
+    assert "Could not find the `LightningModule` attribute" in str(no_attribute)
+    assert checked == ["a", "b", "a", "c"], "a metric logged like before is checked by Lightning once"
