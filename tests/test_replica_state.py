@@ -1110,3 +1110,12 @@ def test_a_stored_step_that_calls_the_module_itself_is_refused_before_the_first_
     assert raised.value.path == "self.training_step"
     assert "last_loss" not in vars(model)
     assert_same_parameters(parameters(model), before, atol=0)
+
+
+def test_the_replicas_rows_of_a_detection_reach_the_metrics_device_inside_their_dicts() -> None:
+    from lightning_mgpu.replica_state import metrics
+
+    rows = [[{"boxes": torch.ones(1, 4), "labels": torch.zeros(1, dtype=torch.long)}] for _ in range(2)]
+    joined = metrics._join(rows, [1, 1], torch.device("meta"), "argument 1")
+    assert len(joined) == 2
+    assert {tensor.device.type for row in joined for tensor in row.values()} == {"meta"}

@@ -789,10 +789,15 @@ def _kept(value: Any) -> Any:
 
 
 def _to(value: Any, device: torch.device) -> Any:
+    """``value`` with every tensor in it on ``device``: a state, or one row of an argument (a detection's dict)."""
     if isinstance(value, torch.Tensor):
         return value.to(device)
     if isinstance(value, list):
         return [_to(item, device) for item in value]
+    if isinstance(value, tuple) and not is_namedtuple(value):
+        return tuple(_to(item, device) for item in value)
+    if type(value) is dict:
+        return {key: _to(item, device) for key, item in value.items()}
     return value
 
 
