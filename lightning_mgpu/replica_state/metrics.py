@@ -292,22 +292,12 @@ _ORDER = itertools.count()
 
 
 def _tensor_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors among a call's arguments, however deep in lists, tuples and dicts, each with where it is."""
-    for index, value in enumerate(args):
-        yield from _tensors_in(value, f"argument {index + 1}")
-    for key, value in kwargs.items():
-        yield from _tensors_in(value, f"{key}=")
-
-
-def _tensors_in(value: Any, where: str) -> Iterator[tuple[str, torch.Tensor]]:
-    if isinstance(value, torch.Tensor):
-        yield where, value
-    elif isinstance(value, Mapping):
-        for key, item in value.items():
-            yield from _tensors_in(item, f"{where}[{key!r}]")
-    elif isinstance(value, (list, tuple)):
-        for index, item in enumerate(value):
-            yield from _tensors_in(item, f"{where}[{index}]")
+    """The tensors among a call's arguments, however deep in lists, tuples and mappings, each with where it is."""
+    named = [(f"argument {index + 1}", value) for index, value in enumerate(args)]
+    named += [(f"{key}=", value) for key, value in kwargs.items()]
+    for where, value in named:
+        for path, tensor in _leaves(value):
+            yield where + "".join(f"[{key!r}]" for key in path), tensor
 
 
 class _Recorded:
@@ -834,10 +824,10 @@ def _distinct(output: Any, seen: set[int]) -> Any:
 
 
 def _leaves(output: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], torch.Tensor]]:
-    """The tensors in a metric's value (a tensor, or dicts, lists and tuples of them), with their key paths."""
+    """The tensors in a value (a tensor, or mappings, lists and tuples of them), with their key paths."""
     if isinstance(output, torch.Tensor):
         yield path, output
-    elif isinstance(output, dict):
+    elif isinstance(output, Mapping):
         for key, value in output.items():
             yield from _leaves(value, (*path, key))
     elif isinstance(output, (list, tuple)):
