@@ -15,14 +15,12 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from copied_suites import batches_of_rows, default_trainers_to_mgpu_dp
 from lightning.fabric.utilities.distributed import _destroy_dist_connection
-from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
-from torch.utils.data import DataLoader
 
 _UPSTREAM = os.environ.get("LIGHTNING_TESTS_STRATEGY", "mgpu_dp") == "lightning"
 _ROWS = int(os.environ.get("LIGHTNING_TESTS_ROWS", "1" if _UPSTREAM else "2"))
-_DEFAULTS = {"strategy": "mgpu_dp", "accelerator": "cpu", "devices": 2}
 
 # Reasons of EXPECTED (node id relative to this folder -> reason): "dp.md '<section>'" marks a difference the docs
 # state; "mgpu_dp differs" one they do not (a bug of lightning_mgpu, left unfixed here).
@@ -133,28 +131,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(autouse=True)
 def _mgpu_dp_by_default(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     if not _UPSTREAM:
-        init = Trainer.__init__
-
-        def __init__(self: Trainer, *args: object, **kwargs: object) -> None:  # noqa: N807
-            if (
-                "strategy" not in kwargs
-                and "devices" not in kwargs
-                and kwargs.get("accelerator") in (None, "cpu", "auto")
-            ):
-                kwargs = {**_DEFAULTS, **kwargs, "accelerator": "cpu"}
-            init(self, *args, **kwargs)
-
-        monkeypatch.setattr(Trainer, "__init__", __init__)
-
+        default_trainers_to_mgpu_dp(monkeypatch)
     node = request.node
     if _ROWS == 1 or f"{os.path.relpath(node.path, os.path.dirname(__file__))}::{node.originalname}" in ONE_ROW:
         return
-
-    def loader(self: BoringModel) -> DataLoader:
-        return DataLoader(RandomDataset(32, 64 * _ROWS), batch_size=_ROWS)
-
-    for name in ("train_dataloader", "val_dataloader", "test_dataloader", "predict_dataloader"):
-        monkeypatch.setattr(BoringModel, name, loader)
+    batches_of_rows(monkeypatch, BoringModel, RandomDataset, _ROWS)
 
 
 @pytest.fixture(autouse=True)

@@ -11,13 +11,11 @@ them are updated, called and logged inside the replicas.
 import os
 
 import pytest
-from lightning.pytorch import Trainer
-from torch.utils.data import DataLoader
+from copied_suites import batches_of_rows, default_trainers_to_mgpu_dp
 from torchmetrics_boring_model import BoringModel, RandomDataset
 
 import lightning_mgpu  # noqa: F401 - registers mgpu_dp
 
-_DEFAULTS = {"strategy": "mgpu_dp", "accelerator": "cpu", "devices": 2}
 _ROWS = 2
 
 _BUFFER = (
@@ -52,20 +50,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def _mgpu_dp_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    init = Trainer.__init__
-
-    def __init__(self: Trainer, *args: object, **kwargs: object) -> None:  # noqa: N807
-        if "strategy" not in kwargs and "devices" not in kwargs and kwargs.get("accelerator") in (None, "cpu", "auto"):
-            kwargs = {**_DEFAULTS, **kwargs, "accelerator": "cpu"}
-        init(self, *args, **kwargs)
-
-    monkeypatch.setattr(Trainer, "__init__", __init__)
-
-    def loader(self: BoringModel) -> DataLoader:
-        return DataLoader(RandomDataset(32, 64 * _ROWS), batch_size=_ROWS)
-
-    for name in ("train_dataloader", "val_dataloader", "test_dataloader"):
-        monkeypatch.setattr(BoringModel, name, loader)
+    default_trainers_to_mgpu_dp(monkeypatch)
+    batches_of_rows(monkeypatch, BoringModel, RandomDataset, _ROWS)
 
 
 @pytest.fixture(autouse=True)
