@@ -5,13 +5,14 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from lightning_mgpu.checks import Finding, allow_plain_tensors, check_model
+from lightning_mgpu.checks import allow_plain_tensors, check_model
 from lightning_mgpu.engine import MGPUDataParallel
 from lightning_mgpu.engine.scatter import Fields, PerSample
 from lightning_mgpu.errors import (
     BatchSplitError,
     ConfigurationError,
     EpochRestartWarning,
+    Finding,
     GatherError,
     ModelCheckError,
     ReplicaStateError,

@@ -20,14 +20,13 @@ import functools
 import types
 import warnings
 from collections.abc import Generator, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 from torchmetrics import Metric
 
-from lightning_mgpu.errors import ConfigurationError, ModelCheckError
+from lightning_mgpu.errors import ConfigurationError, Finding, ModelCheckError
 from lightning_mgpu.library_code import kept_by_library
 from lightning_mgpu.namespaces import Namespace, imported
 
@@ -114,23 +113,6 @@ def _gpus_asked_for(devices: object) -> int | list[int] | None:
 # Model checks: multi-GPU traps that show in a model's structure.
 _PLAIN_TENSORS_ALLOWED = "_mgpu_plain_tensors_allowed"
 """The instance attribute where ``allow_plain_tensors`` keeps the names it was given."""
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One problem found in a model.
-
-    Attributes:
-        level: ``"error"`` stops the run; ``"warning"`` is reported and the run goes on.
-        check: a short stable name for the kind of problem (``"plain-container"``, ``"unregistered-tensor"``, ...).
-        where: the attribute path, for example ``"encoder.heads"``.
-        message: what is wrong and how to fix it.
-    """
-
-    level: Literal["error", "warning"]
-    check: str
-    where: str
-    message: str
 
 
 def allow_plain_tensors(module: nn.Module, *names: str) -> None:

@@ -1,12 +1,31 @@
-"""Errors raised by lightning_mgpu, each naming what went wrong and how to fix it, with its facts as attributes."""
+"""Errors raised by lightning_mgpu, each naming what went wrong and how to fix it, with its facts as attributes.
+
+Also the ``Finding`` that the model checks, the doctor and ``ModelCheckError`` report: one problem, named once here.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
-if TYPE_CHECKING:
-    from lightning_mgpu.checks import Finding
+
+@dataclass(frozen=True)
+class Finding:
+    """One problem found in a model.
+
+    Attributes:
+        level: ``"error"`` stops the run; ``"warning"`` is reported and the run goes on.
+        check: a short stable name for the kind of problem (``"plain-container"``, ``"unregistered-tensor"``, ...).
+        where: the attribute path, for example ``"encoder.heads"``.
+        message: what is wrong and how to fix it.
+    """
+
+    level: Literal["error", "warning"]
+    check: str
+    where: str
+    message: str
+
 
 
 class BatchSplitError(ValueError):

@@ -1,8 +1,7 @@
 """``lightning-mgpu``: the command line. One subcommand per entry of ``_COMMANDS``, dispatched on the first argument.
 
 ``fit``, ``validate``, ``test`` and ``predict`` are LightningCLI's (``cli/lightning_cli.py``); ``doctor`` is ours
-(``cli/doctor.py``). Each is imported when it runs, so this module stays light enough for the doctor's report to
-read the program name and exit codes from it.
+(``cli/doctor.py``). Each is imported when it runs; the program name and exit codes are ``lightning_mgpu.program``'s.
 """
 
 from __future__ import annotations
@@ -11,10 +10,7 @@ import sys
 from collections.abc import Callable
 
 from lightning_mgpu.helpers import parse_local_rank
-
-PROG = "lightning-mgpu"
-EXIT_OK, EXIT_FOUND_ERRORS, EXIT_USAGE = 0, 1, 2
-"""The exit codes of every command: success, error findings (``doctor``), a configuration that cannot start."""
+from lightning_mgpu.program import EXIT_OK, EXIT_USAGE, PROG
 
 Command = Callable[[list[str]], int]
 

@@ -8,8 +8,8 @@ import sys
 import textwrap
 from typing import Any
 
-from lightning_mgpu.cli import EXIT_FOUND_ERRORS, EXIT_OK, EXIT_USAGE, PROG
 from lightning_mgpu.doctor import TARGETS, DoctorError, format_report, run_doctor
+from lightning_mgpu.program import EXIT_FOUND_ERRORS, EXIT_OK, EXIT_USAGE, PROG
 
 
 def doctor(argv: list[str]) -> int:

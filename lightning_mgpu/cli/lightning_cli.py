@@ -41,7 +41,6 @@ from lightning.pytorch.strategies import Strategy
 import lightning_mgpu  # noqa: F401 - registers mgpu_dp and mgpu_ddp before the Trainer is built
 from lightning_mgpu._compat import parser_error_facts, rejected_option, rejected_value
 from lightning_mgpu.checks import check_gpus_exist
-from lightning_mgpu.cli import EXIT_USAGE, PROG
 from lightning_mgpu.errors import ConfigurationError
 from lightning_mgpu.namespaces import (
     LIGHTNING,
@@ -52,6 +51,7 @@ from lightning_mgpu.namespaces import (
     namespace_of,
     pytorch_lightning_namespace,
 )
+from lightning_mgpu.program import EXIT_USAGE, PROG
 from lightning_mgpu.strategies.registry import close_names
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lightning_mgpu.checks import Finding, check_model
+from lightning_mgpu.checks import check_model
 from lightning_mgpu.doctor.compare import compare_ranks, compare_runs, differing
 from lightning_mgpu.doctor.findings import (
     Differences,
@@ -41,7 +41,7 @@ from lightning_mgpu.doctor.runs import (
     seed_all,
 )
 from lightning_mgpu.engine.scatter import scatter
-from lightning_mgpu.errors import BatchSplitError
+from lightning_mgpu.errors import BatchSplitError, Finding
 from lightning_mgpu.namespaces import LIGHTNING, mixed, namespace_of
 from lightning_mgpu.step.hooks import has_step_end
 

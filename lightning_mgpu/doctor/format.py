@@ -9,8 +9,8 @@ import shutil
 import textwrap
 from collections.abc import Mapping, Sequence
 
-from lightning_mgpu.cli import EXIT_FOUND_ERRORS, EXIT_OK, PROG
 from lightning_mgpu.doctor.report import Comparison, DoctorReport
+from lightning_mgpu.program import EXIT_FOUND_ERRORS, EXIT_OK, PROG
 
 _MAX_ROWS = 30
 _LONG = ("gradient", "buffer")

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from lightning_mgpu.checks import Finding
+from lightning_mgpu.errors import Finding
 
 Target = Literal["mgpu_dp", "mgpu_ddp"]
 TARGETS: tuple[Target, ...] = ("mgpu_dp", "mgpu_ddp")
