@@ -44,6 +44,7 @@ jsonargparse:
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import importlib
@@ -603,6 +604,69 @@ def rejected_value(message: str) -> tuple[list[str], str] | None:
     """The types a jsonargparse error expected and the value it was given (``(['int', 'NoneType'], 'abc')``)."""
     expected, given = _EXPECTED.findall(message), _GIVEN.search(message)
     return (list(dict.fromkeys(expected)), given.group(1).strip()) if expected and given else None
+
+
+_REJECTED_INIT_VALUE = re.compile(r"Problem with given class_path '([\w.]+)':\s*Parser key \"([^\"]+)\":")
+_INIT_EXPECTED = re.compile(r"Expected a (?:<class '([\w.]+)'>|typing\.(Literal\[[^\]]*\]))")
+_INIT_GIVEN = re.compile(r"(?:Got value|\n {4,}Given value): (.*)")
+_NESTED_ARG = re.compile(r"^  Given value: NestedArg\(key='([^']*)', val=(.*)\)$", flags=re.MULTILINE)
+_GIVEN_MAPPING = re.compile(r"^  Given value: (\{.*\})$", flags=re.MULTILINE)
+_NOT_A_CLASS_PATH = re.compile(r"Expected a dot import path string: (\S+)")
+
+
+def rejected_init_value(message: str) -> tuple[str, str, str, Any] | None:
+    """The class path, init argument, type expected and value given of a jsonargparse error about an init argument.
+
+    jsonargparse reports ``--model.init_args.lr fast`` (and ``lr: fast`` under ``model: init_args:``) against the
+    key ``model``, with the argument's own error nested: ``Problem with given class_path 'a.Model': Parser key
+    "lr": Expected a <class 'float'>. Got value: fast``. The type is a class's name (``float``) or a ``Literal``
+    (``Literal['fork', 'spawn']``); the value is the one given (``given_init_args``), else the text after ``Got
+    value``.
+    """
+    found = _REJECTED_INIT_VALUE.search(message)
+    if found is None:
+        return None
+    class_path, name = found.groups()
+    rest = message[found.end() :]
+    expected, got = _INIT_EXPECTED.search(rest), _INIT_GIVEN.search(rest)
+    type_name = next((group for group in expected.groups() if group), "") if expected else ""
+    return class_path, name, type_name, given_init_args(message).get(name, got.group(1).strip() if got else "")
+
+
+def given_init_args(message: str) -> dict[str, Any]:
+    """The init arguments given for the key of a jsonargparse error, as read: ``{'lr': 'fast'}``; empty if none.
+
+    The message holds the value given as its ``repr``: a ``NestedArg`` for ``--key.init_args.NAME VALUE``, or the
+    config's mapping.
+    """
+    arg = _NESTED_ARG.search(message)
+    if arg is not None:
+        with contextlib.suppress(ValueError, SyntaxError):
+            return {arg.group(1): ast.literal_eval(arg.group(2))}
+        return {arg.group(1): arg.group(2)}
+    mapping = _GIVEN_MAPPING.search(message)
+    if mapping is not None:
+        with contextlib.suppress(ValueError, SyntaxError):
+            given = ast.literal_eval(mapping.group(1))
+            init_args = given.get("init_args") if isinstance(given, dict) else None
+            if isinstance(init_args, dict):
+                return init_args
+    return {}
+
+
+def not_a_class_path(message: str) -> str | None:
+    """Where a jsonargparse error found init arguments for a key without a class: the name given instead, if any.
+
+    ``--trainer.strategy.init_args.X V`` on top of ``strategy: mgpu_dp`` names ``mgpu_dp`` (``Expected a dot import
+    path string: mgpu_dp``); ``init_args:`` in a config whose key has no ``class_path`` names nothing (``''``).
+    ``None`` for any other error.
+    """
+    found = _NOT_A_CLASS_PATH.search(message)
+    if found is not None:
+        return found.group(1)
+    mapping = _GIVEN_MAPPING.search(message)
+    without_class = mapping is not None and "'class_path'" not in mapping.group(1)
+    return "" if without_class and "Not a valid subclass of" in message else None
 
 
 def batch_norm_backward_parts(

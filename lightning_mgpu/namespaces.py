@@ -42,12 +42,14 @@ class Namespace:
     """The trainer's package: ``lightning.pytorch`` or ``pytorch_lightning``."""
     fabric: str
     """Fabric's package that goes with it: ``lightning.fabric`` or ``lightning_fabric``."""
+    Trainer: type[Any] = _from("{pytorch}")
     LightningModule: type[Any] = _from("{pytorch}")
     LightningDataModule: type[Any] = _from("{pytorch}")
     Strategy: type[Any] = _from("{pytorch}.strategies")
     ParallelStrategy: type[Any] = _from("{pytorch}.strategies")
     DDPStrategy: type[Any] = _from("{pytorch}.strategies")
     StrategyRegistry: Any = _from("{pytorch}.strategies")
+    AcceleratorRegistry: Any = _from("{pytorch}.accelerators")
     GradientAccumulationScheduler: type[Any] = _from("{pytorch}.callbacks")
     BasePredictionWriter: type[Any] = _from("{pytorch}.callbacks")
     CombinedLoader: type[Any] = _from("{pytorch}.utilities")

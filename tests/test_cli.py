@@ -398,22 +398,22 @@ _ONE_DEVICE_ONE_BATCH = ["--trainer.devices", "1", "--trainer.fast_dev_run", "1"
         pytest.param(
             ("    batch_size:", "    bach_size:"),
             [],
-            "data: examples.density.GaussianMixtureData takes no argument 'bach_size'. Did you mean"
+            "data.init_args.bach_size is not an argument of examples.density.GaussianMixtureData. Did you mean"
             " data.init_args.batch_size?",
             id="init argument misspelt in the config",
         ),
         pytest.param(
             None,
             ["--model.init_args.bach_size", "3"],
-            "model: examples.density.DensityModel takes no argument 'bach_size'. Check the name; it takes channels,"
-            " hidden_filters, init_scale, lr.",
+            "model.init_args.bach_size is not an argument of examples.density.DensityModel. Check the name; it takes"
+            " channels, hidden_filters, init_scale, lr.",
             id="init argument the class does not take",
         ),
         pytest.param(
             ("strategy: mgpu_dp", _MISSPELT_STRATEGY_ARGUMENT),
             _ONE_DEVICE_ONE_BATCH,
-            "trainer.strategy: lightning_mgpu.MGPUDDPStrategy takes no argument 'find_unused_parameter'. Did you mean"
-            " trainer.strategy.init_args.find_unused_parameters?",
+            "trainer.strategy.init_args.find_unused_parameter is not an argument of lightning_mgpu.MGPUDDPStrategy."
+            " Did you mean trainer.strategy.init_args.find_unused_parameters?",
             id="strategy init argument misspelt in the config",
         ),
         pytest.param(
@@ -429,21 +429,23 @@ _ONE_DEVICE_ONE_BATCH = ["--trainer.devices", "1", "--trainer.fast_dev_run", "1"
         pytest.param(
             None,
             ["--trainer.max_epochs", "abc"],
-            "trainer.max_epochs takes int or null, not 'abc'.",
+            "trainer.max_epochs takes an int >= -1 or null, not 'abc'.",
             id="a value of the wrong type",
         ),
         pytest.param(
             None,
             ["--trainer.devices", "0"],
-            "the Trainer refuses these settings: `Trainer(devices='0')` value is not a valid input using cpu"
-            " accelerator. Change the trainer settings it names.",
+            "the Trainer refuses trainer.devices '0' (it takes an int > 0, -1 for every device, 'auto', or a list of"
+            " device indices such as [0, 1]): `Trainer(devices='0')` value is not a valid input using cpu accelerator."
+            " Change trainer.devices.",
             id="devices 0",
         ),
         pytest.param(
             None,
             ["--trainer.enable_progress_bar", "false"],
-            "the Trainer refuses these settings: Trainer was configured with `enable_progress_bar=False` but found"
-            " `TQDMProgressBar` in callbacks list. Change the trainer settings it names.",
+            "the Trainer refuses trainer.enable_progress_bar false (it takes true, false or null): Trainer was"
+            " configured with `enable_progress_bar=False` but found `TQDMProgressBar` in callbacks list. Change"
+            " trainer.enable_progress_bar.",
             id="no progress bar beside the config's progress bar",
         ),
     ],

@@ -179,6 +179,56 @@ def test_parser_errors_name_the_types_expected_and_the_value_given() -> None:
     assert _compat.rejected_value("Subcommand 'fit' does not accept option 'x'") is None
 
 
+_NESTED_FLOAT = (
+    'Parser key "model":\n  Does not validate against any of the Union subtypes\n  Errors:\n    - Problem with given'
+    " class_path 'a.Model':\n        Parser key \"lr\":\n          Expected a <class 'float'>. Got value: fast\n"
+    "    - Expected a <class 'NoneType'>\n  Given value type: <class 'jsonargparse._util.NestedArg'>\n"
+    "  Given value: NestedArg(key='lr', val='fast')"
+)
+_NESTED_OPTIONAL = (
+    "Parser key \"trainer.strategy\":\n  Errors:\n    - Expected a <class 'str'>\n    - Problem with given class_path"
+    " 'a.Strategy':\n        Parser key \"weights\":\n          Does not validate against any of the Union subtypes\n"
+    "          Errors:\n            - Expected a <class 'collections.abc.Sequence'>\n            - Expected a <class"
+    " 'NoneType'>\n          Given value type: <class 'int'>\n          Given value: 3\n  Given value type: <class"
+    " 'dict'>\n  Given value: {'class_path': 'a.Strategy', 'init_args': {'weights': 3}}"
+)
+_NESTED_LITERAL = (
+    "    - Problem with given class_path 'a.Strategy':\n        Parser key \"start_method\":\n          Expected a"
+    " typing.Literal['popen', 'spawn']. Got value: forks\n  Given value: NestedArg(key='start_method', val='forks')"
+)
+
+
+@pytest.mark.parametrize(
+    ("message", "facts"),
+    [
+        (_NESTED_FLOAT, ("a.Model", "lr", "float", "fast")),
+        (_NESTED_OPTIONAL, ("a.Strategy", "weights", "collections.abc.Sequence", 3)),
+        (_NESTED_LITERAL, ("a.Strategy", "start_method", "Literal['popen', 'spawn']", "forks")),
+        ("Parser key \"trainer.max_epochs\":\n  Expected a <class 'int'>. Got value: abc", None),
+    ],
+)
+def test_parser_errors_name_the_init_argument_its_type_and_the_value_given(
+    message: str, facts: tuple[str, str, str, object] | None
+) -> None:
+    assert _compat.rejected_init_value(message) == facts
+
+
+def test_parser_errors_name_init_args_given_without_a_class() -> None:
+    by_name = (
+        "Parser key \"trainer.strategy\":\n  Errors:\n    - Expected a <class 'str'>\n    - Expected a dot import"
+        " path string: mgpu_dp\n  Given value: NestedArg(key='sync_batchnorm', val=[1, 2])"
+    )
+    assert _compat.not_a_class_path(by_name) == "mgpu_dp"
+    assert _compat.given_init_args(by_name) == {"sync_batchnorm": [1, 2]}
+    in_a_config = (
+        'Parser key "trainer.strategy":\n  Errors:\n    - Not a valid subclass of Strategy\n  Given value type: <class'
+        " 'dict'>\n  Given value: {'init_args': {'oops': 3}}"
+    )
+    assert _compat.not_a_class_path(in_a_config) == ""
+    assert _compat.given_init_args(in_a_config) == {"oops": 3}
+    assert _compat.not_a_class_path(_NESTED_FLOAT) is None
+
+
 @pytest.mark.filterwarnings("ignore:.*weight_norm.*is deprecated:FutureWarning")
 def test_attributes_rewritten_by_torch_hooks_are_named() -> None:
     legacy = torch.nn.utils.weight_norm(nn.Linear(3, 4))  # the form that recomputes ``weight`` in a pre-hook

@@ -1,11 +1,13 @@
 """``lightning-mgpu fit|validate|test|predict``: LightningCLI with the strategies registered and a run folder.
 
 On top of LightningCLI: the ``mgpu_*`` names are registered before any Trainer exists; a configuration that cannot
-start (a strategy name that nothing is registered under, GPUs this machine does not have, a class path that does not
-import, a strategy class that refuses its init arguments) ends the command with one line naming the cause and the
-fix, where LightningCLI prints its usage or a
-traceback; a strategy given on the command line as a class path (``--trainer.strategy lightning_mgpu.MGPUDDPStrategy``)
-is instantiated, where plain LightningCLI passes the string on and the Trainer rejects it (Lightning issue #19682);
+start (a misspelt key, a value of the wrong type or out of range, a strategy name that nothing is registered under,
+GPUs or an accelerator this machine does not have, a class path that does not import, a strategy class that refuses
+its init arguments, any setting the Trainer's constructor refuses) ends the command with one line naming the full
+key, the value, what the key takes and the fix (``cli/settings.py``), where LightningCLI prints its usage or a
+traceback, while an exception of the project's own code keeps its traceback; a strategy given on the command line as
+a class path (``--trainer.strategy lightning_mgpu.MGPUDDPStrategy``) is instantiated, where plain LightningCLI passes
+the string on and the Trainer rejects it (Lightning issue #19682);
 each run writes CSV logs (and TensorBoard logs when tensorboard is installed), checkpoints and its config under one
 folder (``<default_root_dir>/version_<n>``), which a command that fails before writing anything else leaves behind no
 longer; and each command ends with a short summary of metrics and files.
@@ -39,8 +41,24 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.strategies import Strategy
 
 import lightning_mgpu  # noqa: F401 - registers mgpu_dp and mgpu_ddp before the Trainer is built
-from lightning_mgpu._compat import parser_error_facts, rejected_option, rejected_value
+from lightning_mgpu._compat import (
+    given_init_args,
+    not_a_class_path,
+    parser_error_facts,
+    rejected_init_value,
+    rejected_option,
+    rejected_value,
+)
 from lightning_mgpu.checks import check_gpus_exist
+from lightning_mgpu.cli.settings import (
+    check_trainer_values,
+    describe_types,
+    init_argument_takes,
+    refused_by_the_trainer,
+    settings_named,
+    shown,
+    trainer_takes,
+)
 from lightning_mgpu.errors import ConfigurationError
 from lightning_mgpu.namespaces import (
     LIGHTNING,
@@ -115,7 +133,7 @@ class MGPUArgumentParserLogic(_Parser):
         raise (
             _class_path_problem(message, self.working_directory or os.getcwd())
             or _rejected_option_problem(message, self.command_parsers)
-            or _rejected_value_problem(message)
+            or _rejected_value_problem(message, namespace_of(type(self)) or LIGHTNING)
             or CommandError(f"{_one_line(message)} (--help lists the settings).")
         )
 
@@ -232,14 +250,17 @@ class MGPULightningCLILogic(_CLI):
         """Build the Trainer, with class-path strategies instantiated and the run folder's loggers as default.
 
         Raises:
-            CommandError: the trainer configuration cannot work here (an unknown strategy name, GPUs that do not
-                exist, or any ``ConfigurationError`` of the strategy while the Trainer is built).
+            CommandError: the trainer configuration cannot work here: an unknown strategy name, GPUs or an
+                accelerator that do not exist, a number the Trainer cannot run with, any ``ConfigurationError`` of
+                the strategy while the Trainer is built, or any exception the Trainer's constructor raises from
+                Lightning's own code (``refused_by_the_trainer``).
         """
         namespace = self._namespace
         config = self.config_init.get(str(self.subcommand), self.config_init)  # under the subcommand, when one ran
         trainer_config = config.get("trainer", {})
         try:
             check_gpus_exist(trainer_config.get("accelerator"), trainer_config.get("devices"))
+            check_trainer_values(trainer_config, namespace)
             strategy = trainer_config.get("strategy")
             if isinstance(strategy, str) and "." in strategy:
                 kwargs["strategy"] = _strategy_from_class_path(strategy, namespace)
@@ -259,10 +280,10 @@ class MGPULightningCLILogic(_CLI):
             raise
         except ConfigurationError as error:
             raise CommandError(str(error), setting=error.setting) from None
-        except namespace.MisconfigurationException as error:
-            raise CommandError(
-                f"the Trainer refuses these settings: {_one_line(str(error))}. Change the trainer settings it names."
-            ) from None
+        except Exception as error:
+            if not refused_by_the_trainer(error):
+                raise
+            raise _trainer_refusal(error, trainer_config, namespace) from None
 
     def after_fit(self) -> None:
         """Say what the run reached and where its files are."""
@@ -555,7 +576,10 @@ def _rejected_option_problem(message: str, parsers: Sequence[LightningArgumentPa
         meant = [f"{key}.init_args.{name}" for name in difflib.get_close_matches(option, known, n=1)]
         takes = f"; it takes {', '.join(known)}" if known else ""
         hint = f"Did you mean {meant[0]}?" if meant else f"Check the name{takes}."
-        return CommandError(f"{key}: {class_paths[0]} takes no argument {option!r}. {hint}")
+        return CommandError(
+            f"{key}.init_args.{option} is not an argument of {class_paths[0]}. {hint}",
+            setting=f"{class_paths[0].rpartition('.')[2]}.{option}",
+        )
     # A jsonargparse Namespace iterates over its (key, value) items; its keys() are the dotted keys.
     defaults = [parser.get_defaults(skip_check=True) for parser in parsers]
     known = sorted({name for namespace in defaults for name in namespace.keys()})  # noqa: SIM118
@@ -564,15 +588,71 @@ def _rejected_option_problem(message: str, parsers: Sequence[LightningArgumentPa
     return CommandError(f"{option!r} is not a setting of this command. {hint}")
 
 
-def _rejected_value_problem(message: str) -> CommandError | None:
-    """A value of the wrong type, said in one line with the types the key takes."""
+def _rejected_value_problem(message: str, namespace: Namespace) -> CommandError | None:
+    """A value of the wrong type, said in one line with its full key and what the key takes.
+
+    What a key takes is read from its annotation (the Trainer's, or the init argument's of the class named), and from
+    jsonargparse's message where the annotation does not resolve here.
+    """
+    key, _ = parser_error_facts(message)
+    init_value = rejected_init_value(message)
+    if key and init_value is not None:
+        class_path, name, expected, given = init_value
+        takes = init_argument_takes(class_path, name) or describe_types([expected])
+        return CommandError(
+            f"{key}.init_args.{name} takes {takes}, not {shown(given)}.",
+            setting=f"{class_path.rpartition('.')[2]}.{name}",
+        )
+    name_given, init_args = not_a_class_path(message), given_init_args(message)
+    if key and name_given is not None and init_args:
+        return _init_args_of_a_name(key, name_given, *next(iter(init_args.items())), namespace)
     rejected = rejected_value(message)
     if rejected is None:
         return None
-    expected, given = rejected
-    key, _ = parser_error_facts(message)
-    types = " or ".join("null" if name == "NoneType" else name for name in expected)
-    return CommandError(f"{key or 'a setting'} takes {types}, not {given!r}.")
+    expected_types, given = rejected
+    option = key.removeprefix("trainer.") if key else ""
+    if key and key.startswith("trainer.") and "." not in option:
+        return CommandError(
+            f"{key} takes {trainer_takes(option, namespace)}, not {given!r}.", setting=f"Trainer.{option}"
+        )
+    return CommandError(f"{key or 'a setting'} takes {describe_types(expected_types)}, not {given!r}.")
+
+
+def _init_args_of_a_name(key: str, name: str, argument: str, value: Any, namespace: Namespace) -> CommandError:
+    """Init arguments for a key given as a name (``strategy: mgpu_dp``) or without a class: say how to give one."""
+    registry = namespace.StrategyRegistry  # its get() builds the strategy: read the entry by key
+    known = key == "trainer.strategy" and name.lower() in registry
+    class_path = _exported_path(registry[name.lower()]["strategy"]) if known else "a.module.Class"
+    given = f"the name {name!r}, which takes no init_args" if name else "given without a class_path"
+    written = value if isinstance(value, str) else shown(value)
+    return CommandError(
+        f"{key}.init_args.{argument} cannot be set: {key} is {given}. Give the class:"
+        f" --{key}.class_path {class_path} --{key}.init_args.{argument} {written}, or"
+        f" class_path: {class_path} beside init_args under {key.rpartition('.')[2]}: in the config.",
+        setting=f"{key.rpartition('.')[2]}.init_args",
+    )
+
+
+def _exported_path(cls: type) -> str:
+    """``cls`` by the shortest path it imports from: its top-level package when that exports it, else its module."""
+    package = cls.__module__.partition(".")[0]
+    if getattr(importlib.import_module(package), cls.__name__, None) is cls:
+        return f"{package}.{cls.__name__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _trainer_refusal(error: Exception, trainer: Any, namespace: Namespace) -> CommandError:
+    """The Trainer's refusal of its settings in one line: the settings its message names, their values, the reason."""
+    reason = _one_line(str(error))
+    names = settings_named(str(error), trainer, namespace)
+    if not names:
+        return CommandError(f"the Trainer refuses these settings: {reason}. Change the trainer settings it names.")
+    refused = " and ".join(f"trainer.{name} {shown(trainer[name])}" for name in names)
+    takes = f" (it takes {trainer_takes(names[0], namespace)})" if len(names) == 1 else ""
+    change = " or ".join(f"trainer.{name}" for name in names)
+    return CommandError(
+        f"the Trainer refuses {refused}{takes}: {reason}. Change {change}.", setting=f"Trainer.{names[0]}"
+    )
 
 
 def _init_arguments(class_path: str) -> list[str]:
