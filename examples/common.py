@@ -49,7 +49,7 @@ def run_example(script: str, model: str, data: str, args: Sequence[str] | None, 
     """
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))  # so the class paths resolve whatever the current directory
-    from lightning_mgpu.cli.lightning_cli import run_with_classes
+    from lightning_mgpu.cli.run import run_with_classes
 
     if args is None:
         lightning_mgpu.parse_local_rank()  # torch.distributed.launch passes --local-rank=N before the arguments

@@ -43,7 +43,7 @@ def _doctor(argv: list[str]) -> int:
 
 def _lightning(subcommand: str) -> Command:
     def command(argv: list[str]) -> int:
-        from lightning_mgpu.cli.lightning_cli import run  # imported on use: doctor alone needs no LightningCLI
+        from lightning_mgpu.cli.run import run  # imported on use: doctor alone needs no LightningCLI
 
         return run(subcommand, argv)
 

@@ -3,37 +3,31 @@
 On top of LightningCLI: the ``mgpu_*`` names are registered before any Trainer exists; a configuration that cannot
 start (a misspelt key, a value of the wrong type or out of range, a strategy name that nothing is registered under,
 GPUs or an accelerator this machine does not have, a class path that does not import, a strategy class that refuses
-its init arguments, any setting the Trainer's constructor refuses) ends the command with one line naming the full
-key, the value, what the key takes and the fix (``cli/settings.py``), where LightningCLI prints its usage or a
-traceback, while an exception of the project's own code keeps its traceback; a strategy given on the command line as
-a class path (``--trainer.strategy lightning_mgpu.MGPUDDPStrategy``) is instantiated, where plain LightningCLI passes
-the string on and the Trainer rejects it (Lightning issue #19682);
-each run writes CSV logs (and TensorBoard logs when tensorboard is installed), checkpoints and its config under one
-folder (``<default_root_dir>/version_<n>``), which a command that fails before writing anything else leaves behind no
-longer; and each command ends with a short summary of metrics and files.
+its init arguments, any setting the Trainer's constructor refuses) raises ``CommandError``, which ``cli/run.py``
+prints as one line naming the full key, the value, what the key takes and the fix (``cli/settings.py``), where
+LightningCLI prints its usage or a traceback, while an exception of the project's own code keeps its traceback; a
+strategy given on the command line as a class path (``--trainer.strategy lightning_mgpu.MGPUDDPStrategy``) is
+instantiated with the command line's own checks; each run writes CSV logs (and TensorBoard logs when tensorboard is
+installed), checkpoints and its config under one folder (``<default_root_dir>/version_<n>``), which a command that
+fails before writing anything else leaves behind no longer; and each command ends with a short summary of metrics and
+files.
 
-The classes here are written once and bound to each Lightning namespace: a command runs the LightningCLI and Trainer
-of the namespace its model and data classes come from (``lightning.pytorch`` or ``pytorch_lightning``, ``cli_for``),
-and refuses a model and data of different namespaces before anything runs.
+The classes here are written once and bound to each Lightning namespace; ``lightning.pytorch``'s bindings are here,
+``pytorch_lightning``'s in ``cli/pytorch_lightning.py``, and ``cli/run.py`` picks the namespace of a run.
 """
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import glob
 import importlib
-import logging
 import os
 import re
-import sys
 import time
-import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 import lightning.pytorch as pl
-import yaml
 from jsonargparse import ArgumentParser
 from jsonargparse import Namespace as JsonNamespace
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
@@ -62,14 +56,11 @@ from lightning_mgpu.cli.settings import (
 from lightning_mgpu.errors import ConfigurationError
 from lightning_mgpu.namespaces import (
     LIGHTNING,
-    PYTORCH_LIGHTNING_PACKAGES,
     Bindings,
     Namespace,
-    mixed,
     namespace_of,
-    pytorch_lightning_namespace,
 )
-from lightning_mgpu.program import EXIT_USAGE, PROG
+from lightning_mgpu.program import PROG
 from lightning_mgpu.strategies.registry import close_names
 
 if TYPE_CHECKING:
@@ -239,7 +230,7 @@ class MGPULightningCLILogic(_CLI):
             return None
         init_args = strategy.get("init_args") or JsonNamespace()
         try:
-            _imported(strategy.class_path)(**vars(init_args), **(strategy.get("dict_kwargs") or {}))
+            imported(strategy.class_path)(**vars(init_args), **(strategy.get("dict_kwargs") or {}))
         except ConfigurationError as error:
             return error
         except Exception:  # anything else: jsonargparse's own message stands
@@ -330,13 +321,6 @@ class MGPULightningCLI(MGPULightningCLILogic, LightningCLI):
     """
 
 
-def cli_for(namespace: Namespace) -> type[MGPULightningCLILogic]:
-    """The command line's LightningCLI bound to ``namespace``."""
-    if namespace is pytorch_lightning_namespace():
-        from lightning_mgpu.cli import pytorch_lightning  # noqa: F401 - binds the classes to pytorch_lightning
-    return MGPULightningCLILogic.bindings[namespace]
-
-
 def summary(
     trainer: pl.Trainer, subcommand: str, seconds: float, log_dir: str | None, since: float | None = None
 ) -> str:
@@ -404,65 +388,6 @@ def _prediction_files(trainer: pl.Trainer, log_dir: str | None, namespace: Names
     return paths or ([os.path.join(log_dir, PREDICTIONS_FILE)] if log_dir else [])
 
 
-def run(subcommand: str, args: list[str], prog: str = PROG) -> int:
-    """Run one LightningCLI subcommand; the current directory is importable, as with ``python -m``.
-
-    Returns 0, or ``EXIT_USAGE`` after one line on stderr when the configuration cannot start (``CommandError``).
-    """
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # so config class paths like examples.density.DensityModel resolve
-    with warnings.catch_warnings(), _without_lightning_tips():
-        # LightningCLI warns when ``args`` is given while sys.argv holds arguments: here they are the same ones.
-        warnings.filterwarnings("ignore", message=".*args.* parameter is intended to run from within Python.*")
-        # Lightning's own use of a torch API that torch deprecates: nothing in the user's code to change.
-        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated")
-        if subcommand != "fit":  # the run folder is new, and nothing is saved into it: no best checkpoint to lose
-            warnings.filterwarnings("ignore", message="The dirpath has changed from")
-        try:
-            cli_for(_namespace_of_run(args))(args=[subcommand, *args], prog=prog)
-        except CommandError as error:
-            print(f"{prog} {subcommand}: {error}{_where_it_is(error, args)}", file=sys.stderr)
-            return EXIT_USAGE
-    return 0
-
-
-@contextlib.contextmanager
-def _without_lightning_tips() -> Iterator[None]:
-    """Leave out Lightning's advertising lines (``💡 Tip: ... try installing ...``) while the command runs."""
-
-    def not_a_tip(record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("💡 Tip:")
-
-    loggers = [logging.getLogger(name) for name in _LIGHTNING_INFO_LOGGERS]
-    for logger in loggers:
-        logger.addFilter(not_a_tip)
-    try:
-        yield
-    finally:
-        for logger in loggers:
-            logger.removeFilter(not_a_tip)
-
-
-_LIGHTNING_INFO_LOGGERS = tuple(
-    f"{package}.utilities.rank_zero" for package in (LIGHTNING.name, LIGHTNING.fabric, *PYTORCH_LIGHTNING_PACKAGES)
-)
-"""The loggers Lightning's ``rank_zero_info`` writes through, in every namespace, imported yet or not."""
-
-
-def run_with_classes(model: str, data: str, args: Sequence[str], default_args: Sequence[str], prog: str) -> int:
-    """``prog [fit|validate|test|predict] [options]`` with the model and data preset by class path.
-
-    For scripts such as ``examples/density.py``: the presets come before ``args``, so a config's own ``class_path``
-    still wins; no arguments at all run ``default_args``.
-    """
-    args = list(args) or list(default_args)
-    if args[0] not in SUBCOMMANDS:
-        asked_for_help = args[0] in ("-h", "--help")
-        print(f"usage: {prog} [{'|'.join(SUBCOMMANDS)}] [options]", file=sys.stdout if asked_for_help else sys.stderr)
-        return 0 if asked_for_help else 2
-    return run(args[0], ["--model", model, "--data", data, *args[1:]], prog)
-
-
 def _check_strategy_name(name: str, namespace: Namespace) -> None:
     """Raise ``StrategyNameError`` for a name ``namespace``'s Trainer would reject (it accepts any letter case)."""
     if name.lower() == "auto" or name.lower() in namespace.StrategyRegistry:
@@ -478,7 +403,7 @@ def _check_strategy_name(name: str, namespace: Namespace) -> None:
 
 def _strategy_from_class_path(class_path: str, namespace: Namespace) -> Strategy:
     try:
-        strategy_class = _imported(class_path)
+        strategy_class = imported(class_path)
     except (ImportError, AttributeError) as error:
         raise ClassPathError(
             f"trainer.strategy {class_path!r} is neither a registered strategy name nor an importable class"
@@ -658,7 +583,7 @@ def _trainer_refusal(error: Exception, trainer: Any, namespace: Namespace) -> Co
 def _init_arguments(class_path: str) -> list[str]:
     """The init arguments jsonargparse accepts for ``class_path``; none when it does not import."""
     try:
-        cls = _imported(class_path)
+        cls = imported(class_path)
     except (ImportError, AttributeError, ValueError):  # ValueError: a class path without a module
         return []
     parser = ArgumentParser(exit_on_error=False)
@@ -666,7 +591,7 @@ def _init_arguments(class_path: str) -> list[str]:
     return list(parser.get_defaults(skip_check=True).keys())
 
 
-def _imported(class_path: str) -> Any:
+def imported(class_path: str) -> Any:
     """What ``module.name`` names, imported; ``ImportError`` or ``AttributeError`` when it does not import."""
     module_name, _, name = class_path.rpartition(".")
     return getattr(importlib.import_module(module_name), name)
@@ -675,101 +600,3 @@ def _imported(class_path: str) -> Any:
 def _one_line(message: str) -> str:
     """The message of jsonargparse or Lightning on one line, ``Parser key "k":`` read as ``k:``."""
     return re.sub(r"\s+", " ", re.sub(r'Parser key "([^"]+)":', r"\1:", message)).strip().rstrip(".")
-
-
-def _where_it_is(error: CommandError, args: Sequence[str]) -> str:
-    """For a missing package: the folder that holds it, found next to a config file given in ``args``."""
-    package = getattr(error, "missing_package", None)
-    if not package:
-        return ""
-    configs = [value for option, value in _options(args) if option in _CONFIG_OPTIONS]
-    for config in configs:
-        folder = os.path.dirname(os.path.abspath(config))
-        while True:
-            if os.path.isdir(os.path.join(folder, package)) or os.path.isfile(os.path.join(folder, f"{package}.py")):
-                return f" Here that is {folder}: cd {folder}, or PYTHONPATH={folder}."
-            parent = os.path.dirname(folder)
-            if parent == folder:
-                break
-            folder = parent
-    return ""
-
-
-_CONFIG_OPTIONS = ("-c", "--config")
-_CLASS_SECTIONS = ("model", "data")
-
-
-def _options(args: Sequence[str]) -> Iterator[tuple[str, str]]:
-    """Each option of ``args`` with its value, in order: ``--name value`` and ``--name=value`` alike."""
-    for index, arg in enumerate(args):
-        if not arg.startswith("-"):
-            continue
-        name, equals, value = arg.partition("=")
-        if equals:
-            yield name, value
-        elif index + 1 < len(args) and not args[index + 1].startswith("-"):
-            yield name, args[index + 1]
-
-
-def _named_class_paths(args: Sequence[str]) -> dict[str, str]:
-    """The class paths that ``args`` and the config files it names give ``model`` and ``data``, the last one winning."""
-    named: dict[str, str] = {}
-    for option, value in _options(args):
-        section = option.removeprefix("--").removesuffix(".class_path")
-        if option in _CONFIG_OPTIONS:
-            config = _read_yaml(value)
-            found = {key: _class_path(config.get(key)) for key in _CLASS_SECTIONS} if isinstance(config, dict) else {}
-        elif section in _CLASS_SECTIONS:
-            found = {section: value if option.endswith(".class_path") else _class_path(_parse_yaml(value))}
-        else:
-            continue
-        named.update({key: path for key, path in found.items() if path is not None})
-    return named
-
-
-def _class_path(section: Any) -> str | None:
-    """The class path of a config's ``model:`` or ``data:`` section: the section itself, or its ``class_path``."""
-    if isinstance(section, dict):
-        section = section.get("class_path")
-    return section if isinstance(section, str) and "." in section else None
-
-
-def _read_yaml(path: str) -> Any:
-    try:
-        with open(path) as file:
-            return _parse_yaml(file.read())
-    except OSError:
-        return None  # LightningCLI says why when it reads the file
-
-
-def _parse_yaml(text: str) -> Any:
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return None  # LightningCLI says why when it reads the value
-
-
-def _namespace_of_run(args: Sequence[str]) -> Namespace:
-    """The Lightning namespace of the model and data classes that ``args`` name, once they are of one namespace.
-
-    Read as LightningCLI reads them (config files and ``--model``/``--data`` options in order, the last one winning)
-    and imported from the current directory; ``lightning.pytorch`` when none imports.
-
-    Raises:
-        CommandError: the model's and the data's classes come from different namespaces.
-    """
-    classes = {f"{key} {path}": _class_if_importable(path) for key, path in _named_class_paths(args).items()}
-    problem = mixed(classes)
-    if problem is not None:
-        raise CommandError(problem)
-    found = [namespace_of(cls) for cls in classes.values() if cls is not None]
-    return next((namespace for namespace in found if namespace is not None), LIGHTNING)
-
-
-def _class_if_importable(class_path: str) -> type | None:
-    """The class at ``class_path``; ``None`` when it does not import, which LightningCLI then explains."""
-    try:
-        found = _imported(class_path)
-    except Exception:  # the user's module may raise anything; LightningCLI imports it again and reports it
-        return None
-    return found if isinstance(found, type) else None
