@@ -20,11 +20,12 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 NAMESPACE = sys.argv[1]
-pl = importlib.import_module(NAMESPACE)
-cli_module = importlib.import_module(f"{NAMESPACE}.cli")
+pl: Any = importlib.import_module(NAMESPACE)
+cli_module: Any = importlib.import_module(f"{NAMESPACE}.cli")
+LightningModule: type[Any] = pl.LightningModule
 
 
-class Tiny(pl.LightningModule):  # type: ignore[misc,name-defined]
+class Tiny(LightningModule):
     def __init__(self) -> None:
         super().__init__()
         self.net = torch.nn.Linear(2, 1)
