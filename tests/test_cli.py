@@ -291,10 +291,13 @@ def test_mgpu_ddp_runs_two_processes(launch: str, launches: dict[str, Launch]) -
 def test_strategy_by_name_or_class_path_trains_alike(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     class_path_config = tmp_path / "class_path.yaml"
     class_path_config.write_text("trainer:\n  strategy:\n    class_path: lightning_mgpu.MGPUDPStrategy\n")
+    init_args = ["--trainer.strategy.class_path", "lightning_mgpu.MGPUDPStrategy"]
+    init_args += ["--trainer.strategy.init_args.sync_batchnorm", "true"]
     ways = {
         "name in YAML": [],
         "class_path in YAML": ["--config", str(class_path_config)],
         "class path on the command line": ["--trainer.strategy", "lightning_mgpu.MGPUDPStrategy"],
+        "class_path and init_args on the command line": init_args,
     }
     results = {}
     for way, args in ways.items():

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import inspect
 import threading
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
+from jsonargparse import ArgumentError
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.cli import LightningArgumentParser
 from models import (
     DictBacked,
     KeywordsOnly,
@@ -27,6 +30,7 @@ from torch.utils.data import DataLoader, default_collate
 import lightning_mgpu
 from lightning_mgpu import MGPUDPStrategy, ReplicaStateError
 from lightning_mgpu.errors import ConfigurationError, GatherError
+from lightning_mgpu.strategies import pytorch_lightning as bound
 
 
 def _fit(
@@ -729,3 +733,53 @@ def test_a_mapping_that_cannot_be_rebuilt_stops_the_step_with_a_gather_error() -
     with pytest.raises(GatherError, match="KeywordsOnly") as caught:
         trainer(max_steps=1, devices=2, strategy="mgpu_dp").fit(KeywordsOnlySteps(), loader(regression_data(), 5))
     assert (caught.value.path, caught.value.replica) == ("output", None)
+
+
+# --- keywords ---------------------------------------------------------------------------------------------------------
+
+DP_KEYWORDS = [
+    "accelerator",
+    "parallel_devices",
+    "checkpoint_io",
+    "precision_plugin",
+    "sync_batchnorm",
+    "device_weights",
+]
+
+
+@pytest.mark.parametrize(
+    "strategy_class", [MGPUDPStrategy, bound.MGPUDPStrategy], ids=["lightning", "pytorch_lightning"]
+)
+@pytest.mark.parametrize(
+    ("misspelt", "meant"), [("sync_batchnrom", "sync_batchnorm"), ("device_weight", "device_weights")]
+)
+def test_a_misspelt_keyword_is_a_type_error_naming_the_keyword_meant(
+    strategy_class: type[MGPUDPStrategy], misspelt: str, meant: str
+) -> None:
+    with pytest.raises(TypeError) as refused:
+        strategy_class(**{misspelt: None})
+    assert str(refused.value) == (
+        f"MGPUDPStrategy() got an unexpected keyword argument {misspelt!r}. Did you mean {meant}?"
+    )
+
+
+def test_a_keyword_close_to_none_is_a_type_error_listing_every_keyword() -> None:
+    with pytest.raises(TypeError) as refused:
+        MGPUDPStrategy(replicas=2)  # type: ignore[call-arg]
+    assert str(refused.value) == (
+        "MGPUDPStrategy() got an unexpected keyword argument 'replicas'. The keywords it takes: accelerator,"
+        " checkpoint_io, device_weights, parallel_devices, precision_plugin, sync_batchnorm."
+    )
+
+
+def test_the_keyword_check_leaves_the_signature_that_lightning_cli_reads() -> None:
+    assert list(inspect.signature(MGPUDPStrategy).parameters) == DP_KEYWORDS
+    assert list(inspect.signature(bound.MGPUDPStrategy).parameters) == DP_KEYWORDS
+    parser = LightningArgumentParser(exit_on_error=False)
+    parser.add_lightning_class_args(L.Trainer, "trainer")
+    args = ["--trainer.strategy.class_path", "lightning_mgpu.MGPUDPStrategy"]
+    config = parser.parse_args([*args, "--trainer.strategy.init_args.device_weights", "[1, 3]"])
+    assert list(vars(config.trainer.strategy.init_args)) == DP_KEYWORDS
+    assert config.trainer.strategy.init_args.device_weights == [1, 3]
+    with pytest.raises(ArgumentError, match="sync_batchnrom"):
+        parser.parse_args([*args, "--trainer.strategy.init_args.sync_batchnrom", "false"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -221,3 +222,89 @@ def test_cli_runs_dp_and_any_letter_case(name: str, tmp_path: Path, capsys: pyte
     args = ["fit", "--config", str(QUICKSTART), "--trainer.strategy", name, "--trainer.fast_dev_run", "1"]
     assert main([*args, "--trainer.default_root_dir", str(tmp_path)]) == 0
     assert "lightning-mgpu fit: done" in capsys.readouterr().out
+
+
+# --- the strategy as a class-path string ------------------------------------------------------------------------------
+
+FORMS_SCRIPT = ROOT / "tests" / "scripts" / "strategy_forms.py"
+
+
+def test_each_binding_is_registered_under_its_class_paths_lowercased() -> None:
+    assert MGPUDPStrategy.class_path_names() == (
+        "lightning_mgpu.strategies.dp.mgpudpstrategy",
+        "lightning_mgpu.mgpudpstrategy",
+    )
+    for name in MGPUDPStrategy.class_path_names() + MGPUDDPStrategy.class_path_names():
+        entry = StrategyRegistry[name]
+        assert entry["strategy"] is (MGPUDPStrategy if "mgpudp" in name else MGPUDDPStrategy)
+        assert entry["init_params"] == {}
+
+
+@pytest.mark.parametrize("path", ["lightning_mgpu.MGPUDPStrategy", "lightning_mgpu.strategies.dp.MGPUDPStrategy"])
+def test_trainer_takes_the_class_path_as_a_string(path: str) -> None:
+    built = L.Trainer(accelerator="cpu", devices=2, strategy=path, logger=False)
+    assert type(built.strategy) is MGPUDPStrategy
+    assert built.strategy.num_replicas == 2
+
+
+def test_a_subclass_registers_its_own_class_path_only() -> None:
+    class Mine(MGPUDPStrategy):
+        strategy_name = "mine"
+
+    registry = type(StrategyRegistry)()
+    Mine.register_strategies(registry)
+    assert set(registry.available_strategies()) == {"mine", f"{__name__}.{Mine.__qualname__}".lower(), "dp"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("namespace", ["lightning.pytorch", "pytorch_lightning"])
+def test_every_documented_form_of_the_strategy_works_in_a_script_of_ones_own(namespace: str) -> None:
+    result = subprocess.run(
+        [sys.executable, str(FORMS_SCRIPT), namespace], capture_output=True, text=True, timeout=180, check=False
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [json.loads(line[5:]) for line in result.stdout.splitlines() if line.startswith("FORM ")]
+    forms = {line.pop("form"): line for line in lines}
+    module = "lightning_mgpu.strategies." + ("pytorch_lightning" if namespace == "pytorch_lightning" else "{kind}")
+    dp, ddp = module.format(kind="dp") + ".MGPUDPStrategy", module.format(kind="ddp") + ".MGPUDDPStrategy"
+
+    refused = [form for form in forms if form.startswith("before import: ") and "class_path" not in form]
+    assert len(refused) == 4
+    for form in refused:  # a name or a class-path string means nothing to Lightning until the package is imported
+        assert forms[form]["error"].startswith("ValueError: You selected an invalid strategy name"), form
+    assert forms["before import: cli YAML class_path"] == {
+        "imported": False,
+        "class": dp,
+        "sync_batchnorm": False,
+        "gather_step_end": None,
+        "find_unused_parameters": None,
+        "steps": 1,
+    }
+    for name in ("mgpu_dp", "lightning_mgpu.MGPUDPStrategy"):
+        for form in (f"cli --trainer.strategy {name}", f"Trainer(strategy={name!r})"):
+            assert forms[form] == {
+                "imported": True,
+                "class": dp,
+                "sync_batchnorm": True,
+                "gather_step_end": None,
+                "find_unused_parameters": None,
+                "steps": 1,
+            }, form
+    for name in ("mgpu_ddp", "lightning_mgpu.MGPUDDPStrategy"):
+        for form in (f"cli --trainer.strategy {name}", f"Trainer(strategy={name!r})"):
+            assert forms[form]["class"] == ddp, form
+            assert (forms[form]["gather_step_end"], forms[form]["find_unused_parameters"]) == (False, False), form
+    with_init_args = forms["cli --trainer.strategy.class_path lightning_mgpu.MGPUDDPStrategy with init_args"]
+    assert (with_init_args["class"], with_init_args["gather_step_end"], with_init_args["find_unused_parameters"]) == (
+        ddp,
+        True,
+        True,
+    )
+    assert (forms["cli YAML class_path"]["class"], forms["cli YAML class_path"]["sync_batchnorm"]) == (dp, False)
+    assert forms["Trainer(strategy=MGPUDPStrategy(...))"]["class"] == dp
+    assert forms["Trainer(strategy=MGPUDPStrategy(...))"]["steps"] == 1
+    assert (
+        forms["Trainer(strategy=MGPUDDPStrategy(...))"]["class"],
+        forms["Trainer(strategy=MGPUDDPStrategy(...))"]["gather_step_end"],
+    ) == (ddp, True)
+    assert [form for form, line in forms.items() if "error" in line] == refused

@@ -9,6 +9,10 @@ binding as soon as the Trainer hands it its accelerator, before any other of its
 
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import lightning.pytorch as pl
@@ -28,6 +32,36 @@ else:
     _Base = object
 
 S = TypeVar("S", bound="type[MGPUStrategyMixin]")
+Init = TypeVar("Init", bound=Callable[..., None])
+
+
+def keyword_hint(name: str, accepted: Sequence[str]) -> str:
+    """The sentence that follows a refused keyword ``name``: the accepted keyword closest to it, else all of them."""
+    close = difflib.get_close_matches(name, accepted, n=1)
+    return f"Did you mean {close[0]}?" if close else f"The keywords it takes: {', '.join(accepted)}."
+
+
+def suggest_keywords(init: Init) -> Init:
+    """Give the ``TypeError`` of a keyword a strategy's ``__init__`` does not take the keyword meant.
+
+    Python refuses such a keyword before ``__init__`` runs (also where Hydra builds the strategy from a config), so
+    only a wrapper sees it; ``functools.wraps`` leaves ``inspect.signature`` reading the wrapped ``__init__``, so
+    jsonargparse (LightningCLI) sees the same arguments.
+    """
+    _self, *parameters = inspect.signature(init).parameters.values()
+    assert all(parameter.kind is not inspect.Parameter.VAR_KEYWORD for parameter in parameters), "takes any keyword"
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    accepted = sorted(parameter.name for parameter in parameters if parameter.kind in kinds)
+
+    @functools.wraps(init)
+    def checked(self: object, *args: Any, **kwargs: Any) -> None:
+        for name in kwargs:
+            if name not in accepted:
+                hint = keyword_hint(name, accepted)
+                raise TypeError(f"{type(self).__name__}() got an unexpected keyword argument {name!r}. {hint}")
+        init(self, *args, **kwargs)
+
+    return checked  # type: ignore[return-value]
 
 
 class MGPUStrategyMixin(ExactResume, _Base):
@@ -67,8 +101,21 @@ class MGPUStrategyMixin(ExactResume, _Base):
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register ``strategy_name`` only (never Lightning's own names); registering again replaces the entry."""
-        strategy_registry.register(cls.strategy_name, cls, description=cls.__name__, override=True)
+        """Register ``strategy_name`` and the class's paths (never Lightning's own names); again replaces the entries.
+
+        A Trainer lowercases a strategy string before looking it up, so ``strategy="lightning_mgpu.MGPUDPStrategy"``
+        (in Python, or ``--trainer.strategy`` of a LightningCLI) finds the class under its path lowercased.
+        """
+        for name in (cls.strategy_name, *cls.class_path_names()):
+            strategy_registry.register(name, cls, description=cls.__name__, override=True)
+
+    @classmethod
+    def class_path_names(cls) -> tuple[str, ...]:
+        """Its paths, lowercased: where the class is defined, and for a binding the public ``lightning_mgpu.<Name>``."""
+        paths = [f"{cls.__module__}.{cls.__qualname__}"]
+        if cls in cls.bindings:
+            paths.append(f"lightning_mgpu.{cls.__name__}")
+        return tuple(dict.fromkeys(path.lower() for path in paths))
 
     def connect(self, model: pl.LightningModule) -> None:
         """Connect the model, after checking that it and the datamodule are of the Trainer's Lightning namespace.

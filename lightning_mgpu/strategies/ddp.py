@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import difflib
 import functools
 import inspect
 import time
@@ -39,7 +38,7 @@ from lightning_mgpu.errors import ConfigurationError
 from lightning_mgpu.namespaces import Bindings, namespace_of
 from lightning_mgpu.step.health import StepHealth, stop_iteration_is_an_error
 from lightning_mgpu.step.hooks import call_step_end, caller_runs_step_end, has_step_end
-from lightning_mgpu.strategies.base import MGPUStrategyMixin, bind_strategy
+from lightning_mgpu.strategies.base import MGPUStrategyMixin, bind_strategy, keyword_hint
 from lightning_mgpu.strategies.launch_checks import check_launch_matches_trainer
 from lightning_mgpu.strategies.rank_gather import NO_OUTPUT, RankGather
 from lightning_mgpu.strategies.samplers import (
@@ -129,11 +128,10 @@ def check_strategy_keywords(strategy: type, kwargs: Mapping[str, Any]) -> None:
                 setting=f"MGPUDDPStrategy.{name}",
             )
         if name not in accepted and name not in _SET_BY_THE_STRATEGY:
-            close = difflib.get_close_matches(name, accepted, n=1)
-            hint = f"Did you mean {close[0]}?" if close else f"The keywords it takes: {', '.join(accepted)}."
             raise ConfigurationError(
                 f"{strategy.__name__} takes no keyword {name!r}: neither it, Lightning's DDPStrategy nor torch's"
-                f" DistributedDataParallel (torch {torch.__version__}) has one of that name. {hint}",
+                f" DistributedDataParallel (torch {torch.__version__}) has one of that name."
+                f" {keyword_hint(name, accepted)}",
                 setting=f"MGPUDDPStrategy.{name}",
             )
 

@@ -25,7 +25,7 @@ from lightning_mgpu.namespaces import Bindings
 from lightning_mgpu.step.health import StepHealth, stop_iteration_is_an_error
 from lightning_mgpu.step.hooks import call_step_end, caller_runs_step_end
 from lightning_mgpu.step.replicas import mark_outside_replicas, run_replica_step
-from lightning_mgpu.strategies.base import MGPUStrategyMixin, bind_strategy
+from lightning_mgpu.strategies.base import MGPUStrategyMixin, bind_strategy, suggest_keywords
 
 if TYPE_CHECKING:
     _Base = ParallelStrategy
@@ -60,6 +60,7 @@ class MGPUDPLogic(MGPUStrategyMixin, _Base):
 
     strategy_name = "mgpu_dp"
 
+    @suggest_keywords
     def __init__(
         self,
         accelerator: pl.accelerators.Accelerator | None = None,
