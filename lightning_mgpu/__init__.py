@@ -19,8 +19,7 @@ from lightning_mgpu.errors import (
 )
 from lightning_mgpu.helpers import add_local_rank_argument, parse_local_rank, register_parameters, to_device_of, unwrap
 from lightning_mgpu.mixin import MGPUMixin
-from lightning_mgpu.strategies import MGPUDDPStrategy, MGPUDPStrategy
-from lightning_mgpu.strategies.registry import register_all
+from lightning_mgpu.strategies import MGPUDDPStrategy, MGPUDPStrategy, register_all
 
 __version__ = "0.2.0"
 

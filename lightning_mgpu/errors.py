@@ -27,7 +27,6 @@ class Finding:
     message: str
 
 
-
 class BatchSplitError(ValueError):
     """The batch cannot be split into one chunk per replica.
 

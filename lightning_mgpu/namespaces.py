@@ -10,7 +10,7 @@ Lightning's string enums (``TrainerFn``, ``RunningStage``) compare equal across 
 
 Importing ``pytorch_lightning`` rebinds the rank-zero logger it shares with ``lightning.pytorch``, so nothing here
 imports it: ``pytorch_lightning_namespace`` is ``None`` until something else has, and a class of it at hand means it
-has been (``strategies/registry.py`` binds the package to it then, through ``import_hook.py``).
+has been (``strategies/__init__.py`` binds the package to it then, through ``import_hook.py``).
 """
 
 from __future__ import annotations

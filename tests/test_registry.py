@@ -31,7 +31,7 @@ def test_import_registers_mgpu_dp() -> None:
 def test_importing_twice_and_reloading_is_harmless() -> None:
     importlib.reload(lightning_mgpu)
     importlib.reload(lightning_mgpu)
-    lightning_mgpu.strategies.registry.register_all()
+    lightning_mgpu.strategies.register_all()
     assert StrategyRegistry.available_strategies().count("mgpu_dp") == 1
     assert isinstance(
         L.Trainer(accelerator="cpu", devices=2, strategy="mgpu_dp", logger=False).strategy, MGPUDPStrategy
@@ -143,7 +143,7 @@ def test_import_registers_lightning_1x_name_dp() -> None:
     entry = StrategyRegistry["dp"]
     assert entry["strategy"] is MGPUDPStrategy
     assert entry["description"] == "MGPUDPStrategy (mgpu_dp) under Lightning 1.x's name"
-    lightning_mgpu.strategies.registry.register_all()
+    lightning_mgpu.strategies.register_all()
     assert StrategyRegistry.available_strategies().count("dp") == 1
     assert StrategyRegistry["mgpu_dp"]["description"] == "MGPUDPStrategy"
 

@@ -2,7 +2,7 @@
 
 The same logic as ``lightning_mgpu.MGPUDPStrategy`` and ``lightning_mgpu.MGPUDDPStrategy``, on ``pytorch_lightning``'s
 strategy classes. Subclass these to give a strategy of your own to a ``pytorch_lightning.Trainer``. Imported once
-``pytorch_lightning`` is, by the hook ``strategies/registry.py`` leaves for it (or by you, which imports
+``pytorch_lightning`` is, by the hook ``strategies/__init__.py`` leaves for it (or by you, which imports
 ``pytorch_lightning``), and registers the strategies when it has bound both.
 
 mypy reads each logic class as a subclass of ``lightning.pytorch``'s class (its base while type checking), whose
