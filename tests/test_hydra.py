@@ -222,3 +222,24 @@ def test_the_projects_one_device_run_is_the_trainer_of_its_default_config(projec
     assert isinstance(trainer, L.Trainer)
     assert trainer.num_devices == 1
     assert type(trainer.strategy).__name__ == "SingleDeviceStrategy"
+
+
+def test_lightning_restarts_a_ddp_job_with_its_whole_command_line_the_sweep_included(
+    project: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Why docs/cli.md runs each mgpu_ddp job without ``-m``: the further processes would run the whole sweep."""
+    from hydra.core.hydra_config import HydraConfig
+    from lightning.fabric.strategies.launchers.subprocess_script import _hydra_subprocess_cmd
+
+    assert "Run each `mgpu_ddp` job on its own, without `-m`" in _hydra_prose()
+    sweep = ["-m", "trainer=mgpu_ddp", "model.lr=0.1,0.2"]
+    monkeypatch.setattr(sys, "argv", [str(project / "train.py"), *sweep])
+    with initialize_config_dir(config_dir=str(project / "configs"), version_base="1.3"):
+        config = compose("train", overrides=["trainer=mgpu_ddp"], return_hydra_config=True)
+    HydraConfig.instance().set_config(config)
+    try:
+        command, _ = _hydra_subprocess_cmd(local_rank=1)
+    finally:
+        HydraConfig.instance().cfg = None
+    assert command[-len(sweep) - 3 : -3] == sweep  # then Lightning's hydra.run.dir, hydra.job.name, hydra.output_subdir
+    assert command[-3].startswith("hydra.run.dir=")
