@@ -48,6 +48,7 @@ class Namespace:
     ParallelStrategy: type[Any] = _from("{pytorch}.strategies")
     DDPStrategy: type[Any] = _from("{pytorch}.strategies")
     StrategyRegistry: Any = _from("{pytorch}.strategies")
+    TorchSyncBatchNorm: type[Any] = _from("{pytorch}.plugins")
     GradientAccumulationScheduler: type[Any] = _from("{pytorch}.callbacks")
     BasePredictionWriter: type[Any] = _from("{pytorch}.callbacks")
     CombinedLoader: type[Any] = _from("{pytorch}.utilities")
