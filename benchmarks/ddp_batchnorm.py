@@ -9,9 +9,10 @@ forward, a backward and an SGD step. Per model the two variants take turns in ev
 - ``sync_on``: the same layers converted as ``mgpu_ddp`` converts them for ``Trainer(sync_batchnorm=True)`` on CPU
   processes (``MGPUSyncBatchNorm``: one all-reduce per layer in the forward, one in the backward).
 
-A step lasts as long as its slowest process. A row reports the medians over repeats of the step times, the ratio
-``sync_on / sync_off`` with its min and max, and the cost per BatchNorm layer per step (the difference over the
-layers).
+Beside them, ``collectives`` times the two all-reduces a layer adds per step (of the sizes the layer sends), alone:
+the floor that the process group's latency sets. A step lasts as long as its slowest process. A row reports the
+medians over repeats of the step times, the ratio ``sync_on / sync_off`` with its min and max, the cost per BatchNorm
+layer per step (the difference over the layers), and that floor.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ MODELS = {"conv8_bn8": 8, "conv16_bn16": 16}
 _SETTINGS = {"smoke": (1, 1, 1), "quick": (20, 7, 3), "full": (50, 15, 5)}
 """Per mode: steps per timed loop, repeats, warm-up steps."""
 VARIANTS = ("sync_off", "sync_on")
+_COLLECTIVES = 50
+"""Timed pairs of all-reduces per repeat."""
 
 
 def build(layers: int) -> nn.Sequential:
@@ -92,6 +95,15 @@ def worker(mode: str, out: Path) -> None:
                 _steps(*variants[name], x, y, steps)
                 times[name].append((time.perf_counter() - started) / steps)
         report[model_name] = times
+    forward, backward = torch.zeros(WORLD_SIZE, 2 * CHANNELS + 1, dtype=torch.float64), torch.zeros(2 * CHANNELS)
+    report["collectives"] = {"pair": []}
+    for _ in range(repeats):
+        dist.barrier()
+        started = time.perf_counter()
+        for _ in range(_COLLECTIVES):
+            dist.all_reduce(forward)
+            dist.all_reduce(backward)
+        report["collectives"]["pair"].append((time.perf_counter() - started) / _COLLECTIVES)
     (out / f"rank{rank}.json").write_text(json.dumps(report))
     dist.barrier()
     dist.destroy_process_group()
@@ -112,6 +124,7 @@ def measure(mode: str) -> list[dict[str, Any]]:
         _wait(processes, logs, Job(VARIANTS, WORLD_SIZE))
         reports = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
     rows = []
+    pairs = [max(per_rank) for per_rank in zip(*(r["collectives"]["pair"] for r in reports), strict=True)]
     for model_name, layers in MODELS.items():
         # Ranks meet in every step's all-reduces, so a repeat lasts as long as its slowest rank.
         step = {
@@ -123,7 +136,7 @@ def measure(mode: str) -> list[dict[str, Any]]:
         rows.append({
             "model": model_name, "layers": layers, "sync_off_ms": off * 1e3, "sync_on_ms": on * 1e3,
             "sync_on_vs_off": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
-            "per_layer_us": (on - off) / layers * 1e6,
+            "per_layer_us": (on - off) / layers * 1e6, "collectives_us": statistics.median(pairs) * 1e6,
         })  # fmt: skip
     return rows
 
@@ -142,11 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(mode, args.out)
         return 0
-    print("| model | sync_off ms | sync_on ms | sync_on / sync_off (min-max) | per BatchNorm layer |")
+    print("| model | sync_off ms | sync_on ms | sync_on / sync_off (min-max) | per BatchNorm layer | its all-reduces |")
     for row in measure(mode):
         print(
             f"| {row['model']} | {row['sync_off_ms']:.2f} | {row['sync_on_ms']:.2f} |"
             f" {row['sync_on_vs_off']:.2f}x ({row['min']:.2f}-{row['max']:.2f}) | {row['per_layer_us']:.0f} us |"
+            f" {row['collectives_us']:.0f} us |"
         )
     return 0
 

@@ -67,7 +67,7 @@ class MGPUSyncBatchNorm(BatchNorm):
         device: Any = None,
         dtype: Any = None,
     ) -> None:
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)  # type: ignore[arg-type]
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
         self.process_group = process_group
 
     def _check_input_dim(self, input: torch.Tensor) -> None:  # noqa: A002 - torch's name
@@ -167,9 +167,11 @@ class _AcrossRanks(torch.autograd.Function):
 def _statistics(x: torch.Tensor, counted: bool, group: Any) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The per-channel mean and biased variance of every rank's rows, in ``x``'s dtype, and their count.
 
-    Each rank puts its own count, mean and sum of squared deviations in its slot of one tensor, in float64, and one
-    all-reduce gives every rank every slot; the slots combine as Chan's parallel variance does, so the variance is
-    taken about each rank's own mean and never as a difference of large sums.
+    Each rank puts its own count, mean and sum of squared deviations in its slot of one tensor, and one all-reduce
+    gives every rank every slot; the slots combine as Chan's parallel variance does, so the variance is taken about
+    each rank's own mean and never as a difference of large sums. All of it in float64, as torch's CPU kernel
+    accumulates a float32 batch's statistics: in float32 the outputs drifted from one device's by 5e-7 where float64
+    matched them bit for bit (a measurement on 2 ranks of 8 rows, 8 channels, 8x8).
     """
     channels = x.shape[1]
     reduced = [0, *range(2, x.dim())]
@@ -177,9 +179,9 @@ def _statistics(x: torch.Tensor, counted: bool, group: Any) -> tuple[torch.Tenso
     slots = torch.zeros(group.size(), 2 * channels + 1, dtype=torch.float64, device=x.device)
     if rows:
         mine = slots[group.rank()]
-        variance, mean = torch.var_mean(x.detach(), reduced, correction=0)
+        variance, mean = torch.var_mean(x.detach().double(), reduced, correction=0)
         mine[:channels] = mean
-        mine[channels:-1] = variance.double() * rows
+        mine[channels:-1] = variance * rows
         mine[-1] = rows
     dist.all_reduce(slots, group=group)
     counts = slots[:, -1:]
