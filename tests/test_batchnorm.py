@@ -362,7 +362,6 @@ def test_switching_the_exchange_off_warns_and_differs() -> None:
 
 def test_ddp_names_batchnorm_layers_that_train_on_the_rank_batch_only() -> None:
     from lightning_mgpu.step.health import StepHealth
-
     from lightning_mgpu.sync_batchnorm import MGPUSyncBatchNorm
 
     model = nn.Sequential(
