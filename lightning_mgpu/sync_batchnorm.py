@@ -145,17 +145,23 @@ class _AcrossRanks(torch.autograd.Function):
         x, weight, mean, variance = ctx.saved_tensors
         held, grad_weight, grad_bias = _compat.batch_norm_backward_parts(grad, x, weight, mean, variance, ctx.eps)
         channels = mean.numel()
-        sums = torch.cat([grad_weight, grad_bias]) if ctx.counted else grad_weight.new_zeros(2 * channels)
-        dist.all_reduce(sums, group=ctx.group)
-        grad_x = held
-        if ctx.counted:
-            slope, offset = statistics_gradient(weight, variance, ctx.eps, sums[:channels], sums[channels:], ctx.total)
-            shape = [1, -1] + [1] * (x.dim() - 2)
-            centred = x - mean.view(shape)
-            grad_x = torch.addcmul(held, centred, slope.view(shape)).add_(offset.view(shape))
         wanted = ctx.needs_input_grad
+        grad_x = None
+        # Only the input's gradient needs the other ranks' sums. Whether it is wanted is the graph's, alike on every
+        # rank, so a layer on an input without gradient (a first layer on the data) skips the all-reduce everywhere.
+        if wanted[0]:
+            sums = torch.cat([grad_weight, grad_bias]) if ctx.counted else grad_weight.new_zeros(2 * channels)
+            dist.all_reduce(sums, group=ctx.group)
+            grad_x = held
+            if ctx.counted:
+                slope, offset = statistics_gradient(
+                    weight, variance, ctx.eps, sums[:channels], sums[channels:], ctx.total
+                )
+                shape = [1, -1] + [1] * (x.dim() - 2)
+                centred = x - mean.view(shape)
+                grad_x = torch.addcmul(held, centred, slope.view(shape)).add_(offset.view(shape))
         return (
-            grad_x if wanted[0] else None,
+            grad_x,
             grad_weight if wanted[1] else None,
             grad_bias if wanted[2] else None,
             None,

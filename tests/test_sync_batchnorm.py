@@ -142,6 +142,22 @@ def test_the_ranks_train_as_one_device_on_their_rows(name: str) -> None:
         _close(layer.eval()(x), reference(x), "evaluation output")
 
 
+def test_a_layer_on_an_input_without_gradient_trains_its_weights_without_the_backwards_all_reduce() -> None:
+    groups = _groups(2)
+    torch.manual_seed(0)
+    reference = nn.BatchNorm1d(3).double()
+    layers = [_synced(nn.BatchNorm1d(3).double(), group) for group in groups]
+    inputs = [torch.randn(4, 3, dtype=torch.float64), torch.randn(2, 3, dtype=torch.float64)]
+    upstream = torch.randn(6, 3, dtype=torch.float64)
+    (reference(torch.cat(inputs)) * upstream).sum().backward()
+    shares = torch.split(upstream, [4, 2])
+    outputs = _on_ranks(2, lambda rank: layers[rank](inputs[rank]))
+    for rank in range(2):  # one rank after the other: a backward that waited for the other rank would time out
+        (outputs[rank] * shares[rank]).sum().backward()
+    _close(layers[0].weight.grad + layers[1].weight.grad, reference.weight.grad, "weight gradient")
+    _close(layers[0].bias.grad + layers[1].bias.grad, reference.bias.grad, "bias gradient")
+
+
 def test_one_value_per_channel_over_every_rank_is_refused_on_every_rank() -> None:
     groups = _groups(2)
     layers = [_synced(nn.BatchNorm1d(3), group) for group in groups]
