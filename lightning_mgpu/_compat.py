@@ -495,7 +495,22 @@ def converts_batchnorm_to_sync(strategy: Any) -> bool:
     ``Trainer(sync_batchnorm=True)`` hands the strategy a layer converter that it keeps in the private ``_layer_sync``
     and applies while setting up, after the hooks that could still refuse the combination have run.
     """
-    return getattr(strategy, "_layer_sync", None) is not None
+    return layer_sync(strategy) is not None
+
+
+def layer_sync(strategy: Any) -> Any:
+    """The layer converter the Trainer handed the strategy (``TorchSyncBatchNorm`` for ``sync_batchnorm=True``).
+
+    Lightning keeps it in the strategy's private ``_layer_sync``, and its ``DDPStrategy.setup`` applies it from there
+    (``revert`` in ``teardown``); ``mgpu_ddp`` puts its own in place of Lightning's for the time of a fit
+    (``set_layer_sync``) so that BatchNorm syncs on CPU processes too.
+    """
+    return getattr(strategy, "_layer_sync", None)
+
+
+def set_layer_sync(strategy: Any, converter: Any) -> None:
+    """Make ``converter`` the layer converter Lightning's ``DDPStrategy.setup`` and ``teardown`` use."""
+    strategy._layer_sync = converter
 
 
 def _training_results(trainer: Any) -> Any:

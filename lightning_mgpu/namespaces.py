@@ -50,6 +50,7 @@ class Namespace:
     DDPStrategy: type[Any] = _from("{pytorch}.strategies")
     StrategyRegistry: Any = _from("{pytorch}.strategies")
     AcceleratorRegistry: Any = _from("{pytorch}.accelerators")
+    TorchSyncBatchNorm: type[Any] = _from("{pytorch}.plugins")
     GradientAccumulationScheduler: type[Any] = _from("{pytorch}.callbacks")
     BasePredictionWriter: type[Any] = _from("{pytorch}.callbacks")
     CombinedLoader: type[Any] = _from("{pytorch}.utilities")

@@ -525,8 +525,8 @@ DDP_ZOO = ["hf-bert", "hf-vit", "hf-bart", "timm-convnext-atto", "torchvision-re
 """Trained one after another in one two-process ``mgpu_ddp`` job.
 
 Each loss is a mean over rows, as ``uneven_batches=True`` asks (a loss weighted by tokens cannot be, so the padded
-LMs are not among them), and none has BatchNorm in training mode (exact under DDP only with SyncBatchNorm, which torch
-runs on GPUs only).
+LMs are not among them), and none has BatchNorm in training mode (exact under DDP only with
+``Trainer(sync_batchnorm=True)``, which tests/test_sync_batchnorm.py covers).
 """
 
 

@@ -312,3 +312,46 @@ class KeywordsOnly(DictBacked):
 
     def __init__(self, *, loss: Any, errors: Any) -> None:
         super().__init__({"loss": loss, "errors": errors})
+
+
+def image_data(rows: int, seed: int = 0) -> TensorDataset:
+    """``rows`` float64 two-channel 6x6 images with a target each, for ``BatchNormNet``."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 2, 6, 6, generator=generator, dtype=torch.float64)
+    y = x.mean((1, 2, 3)).unsqueeze(1) * 3 + 0.1 * torch.randn(rows, 1, generator=generator, dtype=torch.float64)
+    return TensorDataset(x, y)
+
+
+class BatchNormNet(L.LightningModule):
+    """Convolutions with ``BatchNorm2d`` and ``BatchNorm1d`` (a cumulative average: ``momentum=None``), in float64.
+
+    ``BatchNorm1d`` normalises ``(rows, channels, length)``, so one row still has several values per channel: a step
+    whose only row is one rank's trains on one device too. ``layer_types`` records the class of each BatchNorm layer
+    while training runs.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.conv2d = nn.Conv2d(2, 4, 3)
+        self.norm2d = nn.BatchNorm2d(4)
+        self.conv1d = nn.Conv1d(4, 3, 3)
+        self.norm1d = nn.BatchNorm1d(3, momentum=None)
+        self.head = nn.Linear(3, 1)
+        self.double()
+        self.layer_types: list[str] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.norm2d(self.conv2d(x))).flatten(2)
+        x = torch.tanh(self.norm1d(self.conv1d(x)))
+        return self.head(x.mean(2))
+
+    def on_train_start(self) -> None:
+        self.layer_types = [type(self.norm2d).__name__, type(self.norm1d).__name__]
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)

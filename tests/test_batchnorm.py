@@ -362,7 +362,10 @@ def test_switching_the_exchange_off_warns_and_differs() -> None:
 
 def test_ddp_names_batchnorm_layers_that_train_on_the_rank_batch_only() -> None:
     from lightning_mgpu.step.health import StepHealth
+    from lightning_mgpu.sync_batchnorm import MGPUSyncBatchNorm
 
-    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.BatchNorm1d(4).eval(), nn.SyncBatchNorm(4))
+    model = nn.Sequential(
+        nn.Linear(4, 4), nn.BatchNorm1d(4), nn.BatchNorm1d(4).eval(), nn.SyncBatchNorm(4), MGPUSyncBatchNorm(4)
+    )
     with pytest.warns(UserWarning, match=r"mgpu_ddp: the BatchNorm layers \(1\) normalise each rank's batch.*sync_bat"):
         StepHealth("mgpu_ddp").check_batchnorm(model, "each rank's batch", "Pass Trainer(sync_batchnorm=True).")

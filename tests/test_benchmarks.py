@@ -148,6 +148,20 @@ def test_the_batchnorm_benchmark_measures_every_model_and_variant(capsys: pytest
     assert len(printed) == 1 + len(batchnorm.MODELS)
 
 
+@pytest.mark.slow
+def test_the_ddp_batchnorm_benchmark_times_both_variants_on_two_processes(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import ddp_batchnorm
+
+    assert ddp_batchnorm.main(["--smoke"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("| model | sync_off ms | sync_on ms |")
+    assert [line.split(" | ")[0] for line in printed[1:]] == [f"| {model}" for model in ddp_batchnorm.MODELS]
+    for line in printed[1:]:
+        off, on = (float(cell) for cell in line.split(" | ")[1:3])
+        assert off > 0, line
+        assert on > 0, line
+
+
 def test_the_batchnorm_profile_labels_every_part_of_the_exchange_in_the_replica_threads(tmp_path: Path) -> None:
     from benchmarks import batchnorm
 

@@ -13,6 +13,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
+from lightning.pytorch.plugins import TorchSyncBatchNorm
 from models import PositionKeepingLoader, RegressionStream, regression_data
 from processes import free_port
 from torch import nn
@@ -422,6 +423,54 @@ def test_a_strategy_says_whether_it_will_convert_batchnorm_to_sync() -> None:
     for sync in (True, False):
         built = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", sync_batchnorm=sync, logger=False)
         assert _compat.converts_batchnorm_to_sync(built.strategy) is sync
+
+
+def test_the_layer_converter_that_lightnings_ddp_setup_applies_is_the_one_set(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    built = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy="ddp",
+        sync_batchnorm=True,
+        logger=False,
+        max_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )
+    assert type(_compat.layer_sync(built.strategy)) is TorchSyncBatchNorm
+    applied: list[nn.Module] = []
+
+    class Recording(TorchSyncBatchNorm):
+        def apply(self, model: nn.Module) -> nn.Module:
+            applied.append(model)
+            return model
+
+    _compat.set_layer_sync(built.strategy, Recording())
+    module = _BatchNormModule()
+    try:
+        built.fit(module, DataLoader(TensorDataset(torch.randn(4, 3)), batch_size=2))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert applied == [module], "Lightning's DDPStrategy.setup applied the converter set, to the module"
+    assert isinstance(module.norm, nn.BatchNorm1d), "no other converter ran"
+
+
+class _BatchNormModule(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(3)
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.norm(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
 class _Hooked(pl.LightningModule):

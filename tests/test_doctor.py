@@ -121,6 +121,7 @@ def test_batchnorm_under_ddp_suggests_sync_batchnorm() -> None:
     batchnorm = next(finding for finding in report.findings if finding.check == "batchnorm")
     assert batchnorm.level == "warning"
     assert "Trainer(sync_batchnorm=True)" in batchnorm.message
+    assert "on GPUs (torch's SyncBatchNorm) and on CPU processes alike" in batchnorm.message
 
 
 def test_batch_mean_inside_the_step_is_found_on_its_key_with_the_difference() -> None:

@@ -404,26 +404,21 @@ def _assert_refused_before_the_first_step(
             r"_Iterating.training_step takes dataloader_iter.* Take \(batch, batch_idx\)",
         ),
         (
-            "sync_batchnorm", "Trainer.sync_batchnorm",
-            r"cannot train SyncBatchNorm layers \(net.1\).* Drop Trainer\(sync_batchnorm=True\) or use GroupNorm or"
-            r" LayerNorm",
+            "SyncBatchNorm layer", "MGPUDDPStrategy.uneven_batches",
+            r"cannot train torch's SyncBatchNorm layers \(net.1\).* pass Trainer\(sync_batchnorm=True\) on CPU",
         ),
-        ("SyncBatchNorm layer", "MGPUDDPStrategy.uneven_batches", None),
     ],
 )  # fmt: skip
 def test_training_that_cannot_be_exact_is_refused_before_the_first_step(
     tmp_path: Path, case: str, setting: str, match: str | None
 ) -> None:
     model: Regressor = {"manual": _Manual, "dataloader_iter": _Iterating}.get(case, Regressor)()
-    if case == "sync_batchnorm":
-        model.net[1] = nn.BatchNorm1d(8)
     if case == "SyncBatchNorm layer":
         model.net[1] = nn.SyncBatchNorm(8)
     overrides = {
         "accumulate": {"accumulate_grad_batches": 2},
         "accumulation schedule": {"callbacks": [GradientAccumulationScheduler({0: 1, 1: 2})]},
         "accumulation set by a callback": {"callbacks": [_AccumulateFromEpochStart()]},
-        "sync_batchnorm": {"sync_batchnorm": True},
     }.get(case, {})
     data = loader(regression_data(rows=10), 4)
     _assert_refused_before_the_first_step(model, data, tmp_path, setting, match, **overrides)
@@ -532,7 +527,7 @@ def test_one_process_trains_as_one_device_in_the_order_the_dataloader_was_built_
 
 
 @pytest.mark.filterwarnings("ignore:You are trying to `self.log")
-def test_the_batchnorm_warning_advises_what_uneven_batches_accepts() -> None:
+def test_the_batchnorm_warning_advises_what_uneven_batches_accepts(monkeypatch: pytest.MonkeyPatch) -> None:
     model = Regressor()
     model.net[1] = nn.BatchNorm1d(8)
     environment = LightningEnvironment()
@@ -542,8 +537,10 @@ def test_the_batchnorm_warning_advises_what_uneven_batches_accepts() -> None:
     with pytest.warns(UserWarning, match=r"BatchNorm layers \(net.1\) normalise each rank's batch") as warned:
         strategy.training_step(next(iter(loader(regression_data(rows=4), 4))), 0)
     advice = next(str(warning.message) for warning in warned if "BatchNorm" in str(warning.message))
-    assert "With uneven_batches=True, use GroupNorm or LayerNorm" in advice
-    assert "or leave uneven_batches off and pass Trainer(sync_batchnorm=True), on GPUs" in advice
+    assert "Pass Trainer(sync_batchnorm=True)" in advice, "on CPU processes it syncs exactly with uneven_batches"
+    on_gpus = property(lambda _: [torch.device("cuda", 0)])  # what Lightning sets on a machine with GPUs
+    monkeypatch.setattr(MGPUDDPStrategy, "parallel_devices", on_gpus)
+    assert "With uneven_batches=True on GPUs, use GroupNorm or LayerNorm" in strategy._batchnorm_fix()
 
 
 def test_the_option_is_set_from_yaml_init_args(capsys: pytest.CaptureFixture[str]) -> None:

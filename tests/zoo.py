@@ -758,8 +758,8 @@ DDP_ZOO = [
 ]
 """Trained in one two-process job, in this order.
 
-Training-mode BatchNorm is not among them: exact under mgpu_ddp needs ``Trainer(sync_batchnorm=True)``, whose
-SyncBatchNorm torch runs on GPUs only.
+Training-mode BatchNorm is not among them: exact under mgpu_ddp needs ``Trainer(sync_batchnorm=True)``, which
+tests/test_sync_batchnorm.py covers on CPU processes.
 """
 
 

@@ -37,8 +37,9 @@ def batchnorm_findings(model: nn.Module) -> list[Finding]:
         kind = type(model.get_submodule(name)).__name__
         message = (
             f"`{name}` ({kind}) normalises with each rank's own batch under mgpu_ddp, and keeps per-rank running"
-            " statistics (mgpu_ddp does not broadcast buffers). Pass Trainer(sync_batchnorm=True) to convert it"
-            " to SyncBatchNorm, whose statistics span every rank's batch."
+            " statistics (mgpu_ddp does not broadcast buffers). Pass Trainer(sync_batchnorm=True): mgpu_ddp then"
+            " gives it the statistics of every rank's rows, as one device's, on GPUs (torch's SyncBatchNorm) and"
+            " on CPU processes alike."
         )
         findings.append(Finding("warning", "batchnorm", name, message))
     return findings

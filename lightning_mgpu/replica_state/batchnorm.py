@@ -386,13 +386,14 @@ def _fused_backward(
         _compat.batch_norm_backward_parts(grad, x, weight, _to(mean, x.device), _to(variance, x.device), ctx.eps)
         for grad, x, weight in zip(grads, inputs, weights, strict=True)
     ]
-    inverse_std = torch.rsqrt(variance + ctx.eps)
-    # One device's input gradient is scale * (grad - mean(grad) - x_hat * mean(grad * x_hat)), with scale the weight
-    # times inverse_std. `held` is scale * grad; the rest is linear in x, a slope and an offset per channel.
-    scale = inverse_std if weights[0] is None else weights[0] * inverse_std
-    per_row = scale / -total
-    slope = per_row * inverse_std * _total([_to(grad_weight, root) for _, grad_weight, _ in parts])
-    offset = per_row * _total([_to(grad_bias, root) for _, _, grad_bias in parts])
+    slope, offset = statistics_gradient(
+        weights[0],
+        variance,
+        ctx.eps,
+        _total([_to(grad_weight, root) for _, grad_weight, _ in parts]),
+        _total([_to(grad_bias, root) for _, _, grad_bias in parts]),
+        total,
+    )
     grad_inputs, grad_weights, grad_biases = [], [], []
     for index, (x, (held, grad_weight, grad_bias)) in enumerate(zip(inputs, parts, strict=True)):
         here = x.device
@@ -405,6 +406,27 @@ def _fused_backward(
         grad_weights.append(grad_weight if ctx.weighted[index] and wanted[count + index] else None)
         grad_biases.append(grad_bias if ctx.biased[index] and wanted[2 * count + index] else None)
     return [*grad_inputs, *grad_weights, *grad_biases]
+
+
+def statistics_gradient(
+    weight: torch.Tensor | None,
+    variance: torch.Tensor,
+    eps: float,
+    grad_weight_sum: torch.Tensor,
+    grad_bias_sum: torch.Tensor,
+    total: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the batch statistics add to an input's batch-norm gradient: a slope on ``x - mean`` and an offset.
+
+    One device's input gradient is ``scale * (grad - mean(grad) - x_hat * mean(grad * x_hat))``, with ``scale`` the
+    weight times the inverse standard deviation; torch's backward for fixed statistics gives ``scale * grad``, and the
+    rest is linear in ``x``, per channel, from the sums over all ``total`` values of ``grad * x_hat``
+    (``grad_weight_sum``) and of ``grad`` (``grad_bias_sum``).
+    """
+    inverse_std = torch.rsqrt(variance + eps)
+    scale = inverse_std if weight is None else weight * inverse_std
+    per_row = scale / -total
+    return per_row * inverse_std * grad_weight_sum, per_row * grad_bias_sum
 
 
 def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

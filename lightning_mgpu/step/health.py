@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from lightning_mgpu._compat import BatchNorm
 from lightning_mgpu.step.hooks import find_loss
+from lightning_mgpu.sync_batchnorm import SYNCED_BATCHNORM
 
 ACCELERATOR_CHECK_EVERY = 50
 
@@ -84,7 +85,7 @@ class StepHealth:
         layers = [
             name
             for name, layer in module.named_modules()
-            if isinstance(layer, BatchNorm) and not isinstance(layer, torch.nn.SyncBatchNorm) and layer.training
+            if isinstance(layer, BatchNorm) and not isinstance(layer, SYNCED_BATCHNORM) and layer.training
         ]
         if layers:
             self._report(

@@ -28,7 +28,9 @@ from lightning_mgpu._compat import (
     LaunchCheck,
     converts_batchnorm_to_sync,
     is_unused_parameters_error,
+    layer_sync,
     logged_batch_size,
+    set_layer_sync,
     unused_parameter_indices,
     with_sampler,
 )
@@ -48,6 +50,7 @@ from lightning_mgpu.strategies.samplers import (
     is_padding_sampler,
 )
 from lightning_mgpu.strategies.uneven import UnevenTraining, reduce_over_real_rows
+from lightning_mgpu.sync_batchnorm import SyncBatchNormLayers, rows_not_counted
 
 if TYPE_CHECKING:
     _Base = LightningDDPStrategy
@@ -256,6 +259,7 @@ class MGPUDDPLogic(MGPUStrategyMixin, LaunchCheck, _Base):
         self.gather_step_end = gather_step_end
         self._gathers: dict[str, RankGather] = {}
         self._health = StepHealth(self.strategy_name)
+        self._lightnings_layer_sync: Any = None
 
     @classmethod
     @override
@@ -293,8 +297,13 @@ class MGPUDDPLogic(MGPUStrategyMixin, LaunchCheck, _Base):
         module = self.lightning_module
         assert module is not None
         self._prepare_module(trainer, module)
+        converter = layer_sync(self)
+        if type(converter) is self._namespace.TorchSyncBatchNorm:
+            # Lightning's converts into torch's SyncBatchNorm, which syncs GPU tensors only; ours syncs CPU ones too.
+            self._lightnings_layer_sync = converter
+            set_layer_sync(self, SyncBatchNormLayers(converter, self.root_device))
         if self._uneven is not None and trainer.state.fn == TrainerFn.FITTING:
-            self._uneven.setup(trainer, module, converts_batchnorm_to_sync(self))
+            self._uneven.setup(trainer, module, converts_batchnorm_to_sync(self), self.root_device)
         super().setup(trainer)
 
     @override
@@ -303,6 +312,9 @@ class MGPUDDPLogic(MGPUStrategyMixin, LaunchCheck, _Base):
         if self._uneven is not None:
             self._uneven.teardown()
         super().teardown()
+        if self._lightnings_layer_sync is not None:
+            set_layer_sync(self, self._lightnings_layer_sync)
+            self._lightnings_layer_sync = None
 
     @override
     def check_launch(self) -> None:
@@ -323,7 +335,8 @@ class MGPUDDPLogic(MGPUStrategyMixin, LaunchCheck, _Base):
         if self.world_size > 1 and self._health.wants("batchnorm"):
             assert self.lightning_module is not None
             self._health.check_batchnorm(self.lightning_module, "each rank's batch", self._batchnorm_fix())
-        with stop_iteration_is_an_error("training_step"), caller_runs_step_end():
+        padding = self._uneven is not None and self._uneven.runs_padding_row(self._trainer())
+        with stop_iteration_is_an_error("training_step"), caller_runs_step_end(), rows_not_counted(padding):
             output = super().training_step(*args, **kwargs)
             output = self._step_end("training_step", output, self._training_rows(args))
         if self._uneven is not None:
@@ -434,16 +447,16 @@ class MGPUDDPLogic(MGPUStrategyMixin, LaunchCheck, _Base):
 
     def _batchnorm_fix(self) -> str:
         """How to make BatchNorm layers train as on one device, with what this strategy's settings accept."""
-        if not self.uneven_batches:
+        devices = self.parallel_devices
+        if not self.uneven_batches or not devices or devices[self.local_rank].type == "cpu":
             return (
                 "Pass Trainer(sync_batchnorm=True) to convert them to SyncBatchNorm, whose statistics span every"
-                " rank (torch supports it on GPUs only)."
+                " rank's rows (on GPUs torch's own, on CPU processes the strategy's)."
             )
         return (
-            "With uneven_batches=True, use GroupNorm or LayerNorm, which normalise each row on its own (in the last"
-            " step of an epoch a rank may hold a single row, or a padding row, and SyncBatchNorm is refused because"
-            " its statistics would take in the padding row); or leave uneven_batches off and pass"
-            " Trainer(sync_batchnorm=True), on GPUs."
+            "With uneven_batches=True on GPUs, use GroupNorm or LayerNorm, which normalise each row on its own (in"
+            " the last step of an epoch a rank may hold a padding row, which torch's SyncBatchNorm would take into"
+            " the statistics, so it is refused); or leave uneven_batches off and pass Trainer(sync_batchnorm=True)."
         )
 
     def _where(self) -> str:

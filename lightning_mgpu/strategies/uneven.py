@@ -39,13 +39,15 @@ from lightning_mgpu.strategies.uneven_checks import (
     shuffles,
     training_loader,
 )
+from lightning_mgpu.sync_batchnorm import buffers_a_padding_row_changes
 
 
 @dataclass
 class _PaddingState:
     """What a rank's padding row would change and its step must leave as it was: buffers, metrics, epoch aggregates."""
 
-    buffers: list[torch.Tensor]
+    buffers: list[tuple[torch.Tensor, torch.Tensor]]
+    """Each buffer the step may change, with its value before the step."""
     metrics: dict[str, dict[str, Any]]
     aggregates: dict[str, torch.Tensor]
 
@@ -78,10 +80,12 @@ class UnevenTraining:
         self._weighting_paused = False
         self._namespace = LIGHTNING
 
-    def setup(self, trainer: pl.Trainer, module: pl.LightningModule, converts_batchnorm_to_sync: bool) -> None:
+    def setup(
+        self, trainer: pl.Trainer, module: pl.LightningModule, converts_batchnorm_to_sync: bool, device: torch.device
+    ) -> None:
         """Refuse what cannot be exact, and watch for the training data as the user's code built it."""
         self._namespace = namespace_of(type(trainer)) or LIGHTNING
-        check_uneven_training(trainer, module, converts_batchnorm_to_sync)
+        check_uneven_training(trainer, module, converts_batchnorm_to_sync, device)
         self._stop_watching = watch_training_data(trainer, self._see_training_data)
 
     def teardown(self) -> None:
@@ -125,7 +129,7 @@ class UnevenTraining:
         if rows == 0:
             module = trainer.lightning_module
             padding = _PaddingState(
-                buffers=[buffer.detach().clone() for buffer in module.buffers()],
+                buffers=[(buffer, buffer.detach().clone()) for buffer in buffers_a_padding_row_changes(module)],
                 metrics=metric_states(module),
                 aggregates=epoch_aggregates(trainer),
             )
@@ -138,6 +142,11 @@ class UnevenTraining:
         if step is None or trainer is None or training_batch(trainer) is not step.batch:
             return None
         return step
+
+    def runs_padding_row(self, trainer: pl.Trainer | None) -> bool:
+        """Whether the training batch that runs now is this rank's padding row, whose rows count for nothing."""
+        step = self.running(trainer)
+        return step is not None and step.rows == 0
 
     def loss_scale(self, trainer: pl.Trainer | None, world_size: int) -> float | None:
         """The factor that makes DDP's average of the ranks' gradients the gradient of the step's mean loss.
@@ -185,7 +194,7 @@ class UnevenTraining:
         if padding is None or trainer is None:
             return
         with torch.no_grad():
-            for buffer, value in zip(trainer.lightning_module.buffers(), padding.buffers, strict=True):
+            for buffer, value in padding.buffers:
                 if not torch.equal(buffer, value):
                     buffer.copy_(value)
 

@@ -28,13 +28,16 @@ _OWNER = "MGPUDDPStrategy(uneven_batches=True)"
 _OR_OFF = "or leave uneven_batches off"
 
 
-def check_uneven_training(trainer: pl.Trainer, module: pl.LightningModule, converts_batchnorm_to_sync: bool) -> None:
+def check_uneven_training(
+    trainer: pl.Trainer, module: pl.LightningModule, converts_batchnorm_to_sync: bool, device: torch.device
+) -> None:
     """Refuse, while the strategy sets up, what weighting each rank's loss cannot make equal to one device.
 
     Args:
         trainer: the Trainer about to fit.
         module: the LightningModule it fits.
         converts_batchnorm_to_sync: whether ``Trainer(sync_batchnorm=True)`` will turn BatchNorm into SyncBatchNorm.
+        device: this rank's device.
     """
     check_accumulation(trainer)
     if not module.automatic_optimization:
@@ -50,15 +53,36 @@ def check_uneven_training(trainer: pl.Trainer, module: pl.LightningModule, conve
             f" takes dataloader_iter and fetches batches itself. Take (batch, batch_idx), {_OR_OFF}.",
             setting="LightningModule.training_step",
         )
+    check_synced_batchnorm(module, converts_batchnorm_to_sync, device)
+
+
+def check_synced_batchnorm(module: pl.LightningModule, converts_batchnorm_to_sync: bool, device: torch.device) -> None:
+    """Refuse SyncBatchNorm layers whose statistics would take in a padding row: torch's own.
+
+    ``Trainer(sync_batchnorm=True)`` on CPU processes converts BatchNorm layers (torch's SyncBatchNorm too) into
+    ``MGPUSyncBatchNorm``, whose statistics leave a padding row out; on GPUs into torch's, which count every row.
+    """
+    if converts_batchnorm_to_sync and device.type == "cpu":
+        return
     synced = BatchNorm if converts_batchnorm_to_sync else torch.nn.SyncBatchNorm
     names = [name for name, layer in module.named_modules() if isinstance(layer, synced)]
-    if names:
+    if not names:
+        return
+    if converts_batchnorm_to_sync:
         raise ConfigurationError(
-            f"{_OWNER} cannot train SyncBatchNorm layers ({', '.join(names)}): their batch statistics span every"
-            " rank and would include the padding row of a rank left without real rows. Drop"
-            f" Trainer(sync_batchnorm=True) or use GroupNorm or LayerNorm, {_OR_OFF}.",
-            setting="Trainer.sync_batchnorm" if converts_batchnorm_to_sync else "MGPUDDPStrategy.uneven_batches",
+            f"{_OWNER} cannot train torch's SyncBatchNorm on {device.type} ({', '.join(names)}): its statistics span"
+            " every rank and would include the padding row of a rank left without real rows (the strategy leaves"
+            " that row out of the statistics on CPU processes only). Drop Trainer(sync_batchnorm=True) and use"
+            f" GroupNorm or LayerNorm, {_OR_OFF}.",
+            setting="Trainer.sync_batchnorm",
         )
+    raise ConfigurationError(
+        f"{_OWNER} cannot train torch's SyncBatchNorm layers ({', '.join(names)}): their statistics span every rank"
+        " and would include the padding row of a rank left without real rows. Build them as BatchNorm layers and"
+        f" pass Trainer(sync_batchnorm=True) on CPU processes, which leaves that row out, or use GroupNorm or"
+        f" LayerNorm, {_OR_OFF}.",
+        setting="MGPUDDPStrategy.uneven_batches",
+    )
 
 
 def check_accumulation(trainer: pl.Trainer) -> None:
