@@ -22,10 +22,8 @@ from lightning_mgpu.errors import ConfigurationError
 from lightning_mgpu.namespaces import Namespace
 
 _LOWEST: dict[str, tuple[float, bool]] = {
-    "accumulate_grad_batches": (
-        1,
-        True,
-    ),  # 0 divides by zero in the training loop; a negative count runs, meaning nothing
+    # 0 divides by zero in the training loop; a negative count runs, meaning nothing
+    "accumulate_grad_batches": (1, True),
     "check_val_every_n_epoch": (1, True),  # likewise
     "val_check_interval": (0, False),  # 0 divides by zero
     "num_nodes": (1, True),
