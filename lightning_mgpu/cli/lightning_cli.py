@@ -47,6 +47,7 @@ from lightning_mgpu.checks import check_gpus_exist
 from lightning_mgpu.cli.settings import (
     check_trainer_values,
     describe_types,
+    imported,
     init_argument_takes,
     refused_by_the_trainer,
     settings_named,
@@ -445,9 +446,13 @@ def _note_loggers(config_path: str, loggers: Sequence[Logger]) -> None:
 def _logger_class_path(cls: type) -> str:
     """``cls`` as a config names it: by the path Lightning exports it under when it is one of Lightning's loggers."""
     namespace = namespace_of(cls)
-    exported = f"{namespace.name}.loggers" if namespace is not None else None
-    if exported is not None and getattr(importlib.import_module(exported), cls.__name__, None) is cls:
-        return f"{exported}.{cls.__name__}"
+    return _class_path_of(cls, f"{namespace.name}.loggers" if namespace is not None else None)
+
+
+def _class_path_of(cls: type, exported_by: str | None) -> str:
+    """``cls`` as a config names it: ``<exported_by>.<Name>`` where that module exports it, else its own module's."""
+    if exported_by is not None and getattr(importlib.import_module(exported_by), cls.__name__, None) is cls:
+        return f"{exported_by}.{cls.__name__}"
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
@@ -547,7 +552,8 @@ def _init_args_of_a_name(key: str, name: str, argument: str, value: Any, namespa
     """Init arguments for a key given as a name (``strategy: mgpu_dp``) or without a class: say how to give one."""
     registry = namespace.StrategyRegistry  # its get() builds the strategy: read the entry by key
     known = key == "trainer.strategy" and name.lower() in registry
-    class_path = _exported_path(registry[name.lower()]["strategy"]) if known else "a.module.Class"
+    strategy = registry[name.lower()]["strategy"] if known else None
+    class_path = _class_path_of(strategy, strategy.__module__.partition(".")[0]) if strategy else "a.module.Class"
     given = f"the name {name!r}, which takes no init_args" if name else "given without a class_path"
     written = value if isinstance(value, str) else shown(value)
     return CommandError(
@@ -556,14 +562,6 @@ def _init_args_of_a_name(key: str, name: str, argument: str, value: Any, namespa
         f" class_path: {class_path} beside init_args under {key.rpartition('.')[2]}: in the config.",
         setting=f"{key.rpartition('.')[2]}.init_args",
     )
-
-
-def _exported_path(cls: type) -> str:
-    """``cls`` by the shortest path it imports from: its top-level package when that exports it, else its module."""
-    package = cls.__module__.partition(".")[0]
-    if getattr(importlib.import_module(package), cls.__name__, None) is cls:
-        return f"{package}.{cls.__name__}"
-    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _trainer_refusal(error: Exception, trainer: Any, namespace: Namespace) -> CommandError:
@@ -589,12 +587,6 @@ def _init_arguments(class_path: str) -> list[str]:
     parser = ArgumentParser(exit_on_error=False)
     parser.add_class_arguments(cls)
     return list(parser.get_defaults(skip_check=True).keys())
-
-
-def imported(class_path: str) -> Any:
-    """What ``module.name`` names, imported; ``ImportError`` or ``AttributeError`` when it does not import."""
-    module_name, _, name = class_path.rpartition(".")
-    return getattr(importlib.import_module(module_name), name)
 
 
 def _one_line(message: str) -> str:

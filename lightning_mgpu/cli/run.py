@@ -18,7 +18,8 @@ from typing import Any
 
 import yaml
 
-from lightning_mgpu.cli.lightning_cli import SUBCOMMANDS, CommandError, MGPULightningCLILogic, imported
+from lightning_mgpu.cli.lightning_cli import SUBCOMMANDS, CommandError, MGPULightningCLILogic
+from lightning_mgpu.cli.settings import imported
 from lightning_mgpu.namespaces import (
     LIGHTNING,
     PYTORCH_LIGHTNING_PACKAGES,

@@ -84,15 +84,20 @@ def describe_types(names: Sequence[str]) -> str:
     )
 
 
+def imported(class_path: str) -> Any:
+    """What ``module.name`` names, imported; ``ImportError`` or ``AttributeError`` when it does not import."""
+    module_name, _, name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module_name), name)
+
+
 def init_argument_takes(class_path: str, name: str) -> str | None:
     """What the init argument ``name`` of the class at ``class_path`` takes; ``None`` when its annotation is unknown.
 
     Looked up the class's bases too, as jsonargparse follows ``**kwargs`` into them (``MGPUDDPStrategy`` takes
     ``DDPStrategy``'s arguments).
     """
-    module_name, _, class_name = class_path.rpartition(".")
     try:
-        cls = getattr(importlib.import_module(module_name), class_name)
+        cls = imported(class_path)
     except (ImportError, AttributeError, ValueError):
         return None
     for klass in getattr(cls, "__mro__", ()):
