@@ -76,6 +76,8 @@ def _steps(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, 
 
 def worker(mode: str, out: Path) -> None:
     """One process: every model's variants in turn, ``repeats`` times; writes ``out/rank<R>.json``."""
+    from lightning_mgpu.strategies.ddp import release_process_group_at_exit
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=120))
     rank = dist.get_rank()
@@ -105,8 +107,7 @@ def worker(mode: str, out: Path) -> None:
             dist.all_reduce(backward)
         report["collectives"]["pair"].append((time.perf_counter() - started) / _COLLECTIVES)
     (out / f"rank{rank}.json").write_text(json.dumps(report))
-    dist.barrier()
-    dist.destroy_process_group()
+    release_process_group_at_exit()
 
 
 def measure(mode: str) -> list[dict[str, Any]]:

@@ -23,9 +23,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
 from benchmarks.models import ModelSpec, build_net, dataset, loss_of, mode_settings, optimizer
+from lightning_mgpu.strategies.ddp import release_process_group_at_exit
 
 PROFILE_SUFFIX = "_profile"
-EXIT_GRACE_S = 0.1
 
 
 def run_torch(spec: ModelSpec, kind: str, rank: int, world_size: int) -> tuple[list[float], list[float]]:
@@ -109,11 +109,7 @@ def main() -> None:
         results.append({"variant": variant, "model": model, "durations": durations, "cpu_durations": cpu_durations,
                         "batch": spec.batch, "profile": profile})  # fmt: skip
     (args.out / f"rank{rank}.json").write_text(json.dumps(results))
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    # Gloo's threads outlive the group and may still need the GIL to free the last all-reduce of a backward; a rank
-    # that exits before they get it dies of SIGABRT in finalization (mgpu_ddp registers the same pause at exit).
-    time.sleep(EXIT_GRACE_S)
+    release_process_group_at_exit()  # as mgpu_ddp does, so that the hand-written loop's gloo threads end cleanly too
 
 
 if __name__ == "__main__":
