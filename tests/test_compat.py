@@ -428,20 +428,11 @@ def test_a_strategy_says_whether_it_will_convert_batchnorm_to_sync() -> None:
 def test_the_layer_converter_that_lightnings_ddp_setup_applies_is_the_one_set(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    from models import trainer
+
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    built = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy="ddp",
-        sync_batchnorm=True,
-        logger=False,
-        max_steps=1,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(tmp_path),
-    )
+    built = trainer(tmp_path, strategy="ddp", sync_batchnorm=True, max_steps=1)
     assert type(_compat.layer_sync(built.strategy)) is TorchSyncBatchNorm
     applied: list[nn.Module] = []
 
